@@ -1,0 +1,212 @@
+package dedup
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/oncely/oncely/internal/sqlident"
+)
+
+// DBTX is what the inbox needs from a connection: pgx.Tx, *pgx.Conn and
+// *pgxpool.Pool satisfy it. Claims are meant for a pgx.Tx.
+type DBTX interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Outcome is what became of a message.
+type Outcome string
+
+const (
+	// Processed means the handler ran and its transaction committed.
+	Processed Outcome = "processed"
+	// DeadLettered means the message was written to a dead-letter topic.
+	DeadLettered Outcome = "dead_lettered"
+)
+
+// Entry is one message to claim.
+type Entry struct {
+	Group     string // consumer group; required
+	MessageID string // dedup key; required
+	Topic     string
+	Partition int32
+	Offset    int64
+	Outcome   Outcome // default Processed
+	// Redrive lets the claim take over an id that the inbox holds as
+	// dead-lettered (a record redriven from a dead-letter topic): the row
+	// becomes processed, and the claim counts as new. An id held as
+	// processed is still a duplicate.
+	Redrive bool
+}
+
+// Config configures an Inbox.
+type Config struct {
+	// Schema holds the inbox table (created by package migrations).
+	// Default "oncely".
+	Schema string
+}
+
+// Inbox claims message ids in the inbox table.
+type Inbox struct {
+	schema    string
+	claim     string
+	redrive   string
+	claimMany string
+	setOut    string
+	lookup    string
+}
+
+// New returns an Inbox for the configured schema.
+func New(cfg Config) (*Inbox, error) {
+	schema := cmp.Or(cfg.Schema, sqlident.DefaultSchema)
+	if err := sqlident.ValidateSchema("dedup: Config.Schema", schema); err != nil {
+		return nil, err
+	}
+	t := sqlident.Table(schema, "inbox")
+	return &Inbox{
+		schema: schema,
+		claim: `INSERT INTO ` + t + ` (consumer_group, message_id, topic, partition, "offset", outcome)
+			VALUES ($1, $2, $3, $4, $5, $6)
+			ON CONFLICT (consumer_group, message_id) DO NOTHING`,
+		redrive: `INSERT INTO ` + t + ` AS i (consumer_group, message_id, topic, partition, "offset", outcome)
+			VALUES ($1, $2, $3, $4, $5, $6)
+			ON CONFLICT (consumer_group, message_id) DO UPDATE
+			SET outcome = EXCLUDED.outcome, topic = EXCLUDED.topic, partition = EXCLUDED.partition,
+			    "offset" = EXCLUDED."offset", processed_at = now()
+			WHERE i.outcome = 'dead_lettered'`,
+		claimMany: `INSERT INTO ` + t + ` (consumer_group, message_id, topic, partition, "offset", outcome)
+			SELECT $1, u.id, u.topic, u.part, u.off, u.outcome
+			FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[]) AS u(id, topic, part, off, outcome)
+			ON CONFLICT (consumer_group, message_id) DO NOTHING
+			RETURNING message_id`,
+		setOut: `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND message_id = $2`,
+		lookup: `SELECT outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
+	}, nil
+}
+
+// MustNew is New for a schema known to be valid; it panics otherwise.
+func MustNew(schema string) *Inbox {
+	in, err := New(Config{Schema: schema})
+	if err != nil {
+		panic(err)
+	}
+	return in
+}
+
+// Schema returns the inbox's schema.
+func (in *Inbox) Schema() string { return in.schema }
+
+// ErrInvalidEntry is returned for an entry without group or message id.
+var ErrInvalidEntry = errors.New("dedup: entry needs a group and a message id")
+
+func (e *Entry) check() error {
+	if e.Group == "" || e.MessageID == "" {
+		return ErrInvalidEntry
+	}
+	if e.Outcome == "" {
+		e.Outcome = Processed
+	}
+	if e.Outcome != Processed && e.Outcome != DeadLettered {
+		return fmt.Errorf("dedup: unknown outcome %q", e.Outcome)
+	}
+	return nil
+}
+
+// Claim inserts the entry's id and reports whether it is new (true) or was
+// claimed before (false). Call it first in the transaction that carries the
+// message's effects; if another open transaction holds the same id, Claim
+// waits for it to end.
+func (in *Inbox) Claim(ctx context.Context, tx DBTX, e Entry) (bool, error) {
+	if err := e.check(); err != nil {
+		return false, err
+	}
+	sql := in.claim
+	if e.Redrive {
+		sql = in.redrive
+	}
+	tag, err := tx.Exec(ctx, sql, e.Group, e.MessageID, e.Topic, e.Partition, e.Offset, string(e.Outcome))
+	if err != nil {
+		return false, fmt.Errorf("dedup: claim %q: %w", e.MessageID, err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// ClaimMany claims all entries of one group in a single statement and returns,
+// aligned with entries, whether each was newly claimed. When an id occurs
+// more than once in entries, only its first occurrence can be new.
+func (in *Inbox) ClaimMany(ctx context.Context, tx DBTX, group string, entries []Entry) ([]bool, error) {
+	n := len(entries)
+	ids, topics, outcomes := make([]string, n), make([]string, n), make([]string, n)
+	parts, offs := make([]int32, n), make([]int64, n)
+	for i := range entries {
+		e := entries[i] // a copy: the defaults below must not be written into the caller's slice
+		if e.Group == "" {
+			e.Group = group
+		}
+		if err := e.check(); err != nil {
+			return nil, err
+		}
+		if e.Group != group {
+			return nil, fmt.Errorf("dedup: claim many: entry %d has group %q, want %q", i, e.Group, group)
+		}
+		ids[i], topics[i], parts[i], offs[i], outcomes[i] = e.MessageID, e.Topic, e.Partition, e.Offset, string(e.Outcome)
+	}
+	claimed := make([]bool, n)
+	if n == 0 {
+		return claimed, nil
+	}
+	rows, err := tx.Query(ctx, in.claimMany, group, ids, topics, parts, offs, outcomes)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim many: %w", err)
+	}
+	fresh := make(map[string]bool, n)
+	var id string
+	if _, err := pgx.ForEachRow(rows, []any{&id}, func() error { fresh[id] = true; return nil }); err != nil {
+		return nil, fmt.Errorf("dedup: claim many: %w", err)
+	}
+	for i, id := range ids {
+		if fresh[id] {
+			claimed[i] = true
+			delete(fresh, id) // later occurrences of the same id are duplicates
+		}
+	}
+	return claimed, nil
+}
+
+// SetOutcome records what became of an already claimed message.
+func (in *Inbox) SetOutcome(ctx context.Context, tx DBTX, group, messageID string, o Outcome) error {
+	e := Entry{Group: group, MessageID: messageID, Outcome: o}
+	if err := e.check(); err != nil {
+		return err
+	}
+	tag, err := tx.Exec(ctx, in.setOut, group, messageID, string(o))
+	if err != nil {
+		return fmt.Errorf("dedup: set outcome of %q: %w", messageID, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("dedup: set outcome of %q: %w", messageID, ErrNotClaimed)
+	}
+	return nil
+}
+
+// ErrNotClaimed is returned by SetOutcome and Lookup for an id not in the inbox.
+var ErrNotClaimed = errors.New("dedup: message not claimed")
+
+// Lookup returns the outcome recorded for a message, or ErrNotClaimed.
+func (in *Inbox) Lookup(ctx context.Context, db DBTX, group, messageID string) (Outcome, error) {
+	var o string
+	err := db.QueryRow(ctx, in.lookup, group, messageID).Scan(&o)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", ErrNotClaimed
+	}
+	if err != nil {
+		return "", fmt.Errorf("dedup: lookup %q: %w", messageID, err)
+	}
+	return Outcome(o), nil
+}
