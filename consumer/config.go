@@ -1,0 +1,238 @@
+package consumer
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/sqlident"
+)
+
+// Handler processes one message inside tx, the transaction whose first
+// statement claimed the message's id in the inbox. Its writes commit together
+// with that claim. It runs only for messages not processed before.
+//
+// A nil return commits the transaction. An error (or a panic) rolls it back
+// and the message is retried with backoff, then dead-lettered; an error
+// wrapped with dlq.Permanent or dlq.Undecodable is dead-lettered at once. Handlers must do their work through
+// tx; effects outside the database (an HTTP call, an email) are not covered by
+// the exactly-once guarantee and should go through an outbox.
+type Handler func(ctx context.Context, tx pgx.Tx, msg *Message) error
+
+// KeyFunc derives a record's dedup id. An error, or an empty id, makes the
+// record undecodable: it is dead-lettered at once.
+type KeyFunc func(rec *kgo.Record) (string, error)
+
+// DefaultMessageIDHeader is the record header that carries a message's
+// stable id (set by oncely's outbox, and by producers that follow it).
+const DefaultMessageIDHeader = "message-id"
+
+// MaxMessageIDLen bounds a dedup id in bytes.
+const MaxMessageIDLen = 1024
+
+// Config configures a Consumer. Zero values take the documented defaults.
+type Config struct {
+	// Brokers are the seed brokers. Required.
+	Brokers []string
+	// Topics to consume. Required.
+	Topics []string
+	// Group is the consumer group; it is also the dedup scope: two groups
+	// process the same message independently. Required.
+	Group string
+	// Pool runs the transactions. Required.
+	Pool *pgxpool.Pool
+	// Handler processes new messages. Required.
+	Handler Handler
+
+	// Schema holds oncely's tables (see package migrations). Default "oncely".
+	Schema string
+	// KeyFunc, when set, derives the dedup id. Otherwise the MessageIDHeader
+	// header is used, and without it topic/partition/offset (which dedups
+	// redeliveries but not a producer publishing the same message twice).
+	KeyFunc KeyFunc
+	// MessageIDHeader names the header with the message id.
+	// Default "message-id".
+	MessageIDHeader string
+
+	// InstanceID turns on static group membership: a member restarted with
+	// the same id takes its partitions back without a group-wide rebalance.
+	// Ids must be unique among the group's live members. Default: dynamic.
+	InstanceID string
+	// SessionTimeout is how long the group waits for a silent member before
+	// moving its partitions. Default 10s.
+	SessionTimeout time.Duration
+	// RebalanceTimeout bounds how long a rebalance waits for members to
+	// rejoin. Default 30s.
+	RebalanceTimeout time.Duration
+
+	// RetryBaseDelay and RetryMaxDelay shape the backoff between attempts:
+	// exponential from the base, capped, with full jitter.
+	// Defaults 100ms and 10s.
+	RetryBaseDelay time.Duration
+	RetryMaxDelay  time.Duration
+	// MaxAttempts is how many times a failing handler runs for one record
+	// before the record is dead-lettered (class max_attempts, or panic when
+	// the last attempt panicked). Errors marked dlq.Permanent or
+	// dlq.Undecodable are dead-lettered at once. Failures to reach the
+	// database (begin, claim, commit, a dropped connection) are retried
+	// without limit and do not count. Default 10.
+	MaxAttempts int
+
+	// DeadLetterTopic names the dead-letter topic of a source topic.
+	// Default dlq.DefaultTopic: "<topic>.dlq". The topic must exist unless
+	// the brokers create topics on first use.
+	DeadLetterTopic func(topic string) string
+	// DeadLetterHeaders selects the original headers a dead-letter record
+	// keeps. Default: all but authorization-, cookie-, token- and
+	// secret-like keys; message-id and trace context are always kept.
+	DeadLetterHeaders dlq.HeaderPolicy
+	// DeadLetterTimeout bounds one dead-letter produce; a failed or timed
+	// out produce is retried with backoff while the partition waits.
+	// At least 1s (franz-go's minimum record timeout). Default 10s.
+	DeadLetterTimeout time.Duration
+	// MaxRecordBytes dead-letters records whose key, value and headers
+	// together exceed it, without handing them to the handler (class
+	// oversized). Default 0: no limit.
+	MaxRecordBytes int
+
+	// CommitInterval is how often marked offsets are committed to Kafka.
+	// Offsets are also committed synchronously when partitions are revoked
+	// and on shutdown. Default 1s.
+	CommitInterval time.Duration
+	// RevokeTimeout bounds how long a revoked partition's in-flight record
+	// may run before it is abandoned (its transaction rolled back) so the
+	// rebalance can proceed. Default 5s.
+	RevokeTimeout time.Duration
+	// ShutdownTimeout bounds Run's drain after its context is cancelled:
+	// finishing in-flight records, the final offset commit and leaving the
+	// group. Default 8s.
+	ShutdownTimeout time.Duration
+
+	// MaxBufferedRecords bounds the records buffered per partition; fetching
+	// of a partition pauses while its buffer is full. Default 2000.
+	MaxBufferedRecords int
+	// MaxPollRecords bounds the records taken per poll. Default 1000.
+	MaxPollRecords int
+
+	// TracerProvider and MeterProvider instrument the consumer (one
+	// "process <topic>" span per attempt, messaging metrics). Default: the
+	// global providers.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+	// UntrustedProducers starts each process span as a new trace linked to
+	// the producer's context instead of continuing it: for topics fed from
+	// outside, whose trace ids should not be adopted.
+	UntrustedProducers bool
+	// RecordKeyAttribute records the record key as
+	// messaging.kafka.message.key. Off by default: keys may hold personal data.
+	RecordKeyAttribute bool
+
+	// Logger receives the consumer's logs. Default: discard.
+	Logger *slog.Logger
+	// ClientOpts are extra franz-go options (TLS, SASL, client id...),
+	// applied after oncely's own.
+	ClientOpts []kgo.Opt
+}
+
+// ErrInvalidConfig is wrapped by every configuration error.
+var ErrInvalidConfig = errors.New("consumer: invalid config")
+
+func invalid(field, format string, args ...any) error {
+	return fmt.Errorf("%w: %s: %s", ErrInvalidConfig, field, fmt.Sprintf(format, args...))
+}
+
+func (cfg *Config) setDefaults() {
+	cfg.Schema = cmp.Or(cfg.Schema, sqlident.DefaultSchema)
+	cfg.MessageIDHeader = cmp.Or(cfg.MessageIDHeader, DefaultMessageIDHeader)
+	cfg.SessionTimeout = cmp.Or(cfg.SessionTimeout, 10*time.Second)
+	cfg.RebalanceTimeout = cmp.Or(cfg.RebalanceTimeout, 30*time.Second)
+	cfg.RetryBaseDelay = cmp.Or(cfg.RetryBaseDelay, 100*time.Millisecond)
+	cfg.RetryMaxDelay = cmp.Or(cfg.RetryMaxDelay, 10*time.Second)
+	cfg.MaxAttempts = cmp.Or(cfg.MaxAttempts, 10)
+	if cfg.DeadLetterTopic == nil {
+		cfg.DeadLetterTopic = dlq.DefaultTopic
+	}
+	cfg.DeadLetterHeaders.IDHeader = cfg.MessageIDHeader
+	cfg.DeadLetterTimeout = cmp.Or(cfg.DeadLetterTimeout, 10*time.Second)
+	cfg.CommitInterval = cmp.Or(cfg.CommitInterval, time.Second)
+	cfg.RevokeTimeout = cmp.Or(cfg.RevokeTimeout, 5*time.Second)
+	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, 8*time.Second)
+	cfg.MaxBufferedRecords = cmp.Or(cfg.MaxBufferedRecords, 2000)
+	cfg.MaxPollRecords = cmp.Or(cfg.MaxPollRecords, 1000)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+}
+
+func (cfg *Config) validate() error {
+	switch {
+	case len(cfg.Brokers) == 0:
+		return invalid("Brokers", "at least one seed broker is required")
+	case len(cfg.Topics) == 0:
+		return invalid("Topics", "at least one topic is required")
+	case cfg.Group == "":
+		return invalid("Group", "a consumer group is required")
+	case cfg.Pool == nil:
+		return invalid("Pool", "a *pgxpool.Pool is required")
+	case cfg.Handler == nil:
+		return invalid("Handler", "a handler is required")
+	}
+	for i, b := range cfg.Brokers {
+		if b == "" {
+			return invalid("Brokers", "broker %d is empty", i)
+		}
+	}
+	for i, t := range cfg.Topics {
+		if t == "" {
+			return invalid("Topics", "topic %d is empty", i)
+		}
+	}
+	if err := sqlident.ValidateSchema("Schema", cfg.Schema); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{
+		{"SessionTimeout", cfg.SessionTimeout}, {"RebalanceTimeout", cfg.RebalanceTimeout},
+		{"RetryBaseDelay", cfg.RetryBaseDelay}, {"RetryMaxDelay", cfg.RetryMaxDelay},
+		{"CommitInterval", cfg.CommitInterval}, {"RevokeTimeout", cfg.RevokeTimeout},
+		{"ShutdownTimeout", cfg.ShutdownTimeout}, {"DeadLetterTimeout", cfg.DeadLetterTimeout},
+	} {
+		if d.v < 0 {
+			return invalid(d.field, "must not be negative, got %s", d.v)
+		}
+	}
+	if cfg.RetryMaxDelay < cfg.RetryBaseDelay {
+		return invalid("RetryMaxDelay", "%s is below RetryBaseDelay %s", cfg.RetryMaxDelay, cfg.RetryBaseDelay)
+	}
+	if cfg.MaxAttempts < 1 {
+		return invalid("MaxAttempts", "must be at least 1, got %d", cfg.MaxAttempts)
+	}
+	if cfg.DeadLetterTimeout < time.Second {
+		return invalid("DeadLetterTimeout", "must be at least 1s, got %s", cfg.DeadLetterTimeout)
+	}
+	if cfg.MaxRecordBytes < 0 {
+		return invalid("MaxRecordBytes", "must not be negative, got %d", cfg.MaxRecordBytes)
+	}
+	for _, t := range cfg.Topics {
+		if d := cfg.DeadLetterTopic(t); d == "" || d == t {
+			return invalid("DeadLetterTopic", "topic %q maps to dead-letter topic %q; it must be a different, non-empty name", t, d)
+		}
+	}
+	if cfg.MaxBufferedRecords < 1 {
+		return invalid("MaxBufferedRecords", "must be at least 1, got %d", cfg.MaxBufferedRecords)
+	}
+	if cfg.MaxPollRecords < 1 {
+		return invalid("MaxPollRecords", "must be at least 1, got %d", cfg.MaxPollRecords)
+	}
+	return nil
+}

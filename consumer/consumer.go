@@ -1,0 +1,975 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/telemetry"
+	"github.com/oncely/oncely/internal/testhook"
+)
+
+// Consumer is one member of a Kafka consumer group whose handler's effects
+// happen once per (group, message id). Create it with New and run it with Run.
+type Consumer struct {
+	cfg     Config
+	inbox   *dedup.Inbox
+	backoff backoff.Policy
+	started atomic.Bool
+
+	// ready: the poll loop runs and the database answered the last attempt.
+	polling atomic.Bool
+	dbDown  atomic.Bool
+
+	tracer  trace.Tracer
+	meter   metric.Meter
+	metrics *instruments
+
+	processed, duplicates, retries, commits, held atomic.Int64
+	deadLettered, deadLetterErrs                  atomic.Int64
+}
+
+// New validates cfg and returns a Consumer. Errors name the offending field
+// and wrap ErrInvalidConfig.
+func New(cfg Config) (*Consumer, error) {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	inbox, err := dedup.New(dedup.Config{Schema: cfg.Schema})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	meter := telemetry.Meter(cfg.MeterProvider)
+	metrics, err := newInstruments(meter, &cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Consumer{
+		cfg:     cfg,
+		inbox:   inbox,
+		backoff: backoff.Policy{Base: cfg.RetryBaseDelay, Max: cfg.RetryMaxDelay},
+		tracer:  telemetry.Tracer(cfg.TracerProvider),
+		meter:   meter,
+		metrics: metrics,
+	}, nil
+}
+
+// Stats returns the consumer's counters.
+func (c *Consumer) Stats() Stats {
+	return Stats{
+		Processed:      c.processed.Load(),
+		Duplicates:     c.duplicates.Load(),
+		Retries:        c.retries.Load(),
+		DeadLettered:   c.deadLettered.Load(),
+		DeadLetterErrs: c.deadLetterErrs.Load(),
+		OffsetCommits:  c.commits.Load(),
+		PartitionsHeld: c.held.Load(),
+	}
+}
+
+// Ready reports whether Run is consuming and the database answered the most
+// recent transaction attempt. Use it for readiness probes.
+func (c *Consumer) Ready() bool { return c.polling.Load() && !c.dbDown.Load() }
+
+type tp struct {
+	topic     string
+	partition int32
+}
+
+// run is the state of one Run call.
+type run struct {
+	c     *Consumer
+	cl    *kgo.Client
+	hooks *testhook.Consumer
+
+	cancelPoll context.CancelFunc // stops the poll loop
+	workCtx    context.Context    // parent of worker contexts; survives Run's ctx for the drain
+
+	mu      sync.Mutex
+	workers map[tp]*worker
+	wg      sync.WaitGroup // live worker goroutines, zombies included
+
+	commitMu sync.Mutex // serializes offset commits with revocation
+	crashed  atomic.Bool
+	// stopBy is the shutdown deadline (unix nanoseconds) once Run is
+	// stopping; revocations from then on are bounded by it, so that closing
+	// the client never outlives Run by more than a moment.
+	stopBy atomic.Int64
+
+	errMu sync.Mutex
+	err   error // the first fatal error
+}
+
+// Run joins the group and processes records until ctx is cancelled or a
+// record exhausts its attempts. On the way out it finishes in-flight records,
+// commits offsets and leaves the group, all bounded by ShutdownTimeout. It
+// returns nil after a shutdown requested through ctx. Run may be called once.
+func (c *Consumer) Run(ctx context.Context) error {
+	if !c.started.CompareAndSwap(false, true) {
+		return errors.New("consumer: Run called more than once")
+	}
+	pollCtx, cancelPoll := context.WithCancel(ctx)
+	defer cancelPoll()
+	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	r := &run{
+		c:          c,
+		hooks:      testhook.ConsumerFrom(ctx),
+		cancelPoll: cancelPoll,
+		workCtx:    workCtx,
+		workers:    make(map[tp]*worker),
+	}
+
+	opts := []kgo.Opt{
+		kgo.SeedBrokers(c.cfg.Brokers...),
+		kgo.ConsumerGroup(c.cfg.Group),
+		kgo.ConsumeTopics(c.cfg.Topics...),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		kgo.DisableAutoCommit(),
+		// A resumed partition waits for the fetch in flight to return; a
+		// short broker-side wait keeps that pause short.
+		kgo.FetchMaxWait(500 * time.Millisecond),
+		kgo.BlockRebalanceOnPoll(),
+		kgo.Balancers(kgo.CooperativeStickyBalancer()),
+		kgo.SessionTimeout(c.cfg.SessionTimeout),
+		// Three heartbeats per session: a short session stays alive.
+		kgo.HeartbeatInterval(min(3*time.Second, c.cfg.SessionTimeout/3)),
+		kgo.RebalanceTimeout(c.cfg.RebalanceTimeout),
+		kgo.OnPartitionsAssigned(r.onAssigned),
+		kgo.OnPartitionsRevoked(r.onRevoked),
+		kgo.OnPartitionsLost(r.onLost),
+		// Dead-letter topics may be created on first use where the brokers
+		// allow it; the produce is idempotent and waits for all ISR acks.
+		kgo.AllowAutoTopicCreation(),
+		kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.RecordDeliveryTimeout(c.cfg.DeadLetterTimeout),
+	}
+	if c.cfg.InstanceID != "" {
+		opts = append(opts, kgo.InstanceID(c.cfg.InstanceID))
+	}
+	cl, err := kgo.NewClient(append(opts, c.cfg.ClientOpts...)...)
+	if err != nil {
+		return fmt.Errorf("consumer: kafka client: %w", err)
+	}
+	r.cl = cl
+
+	committerDone := make(chan struct{})
+	committerCtx, stopCommitter := context.WithCancel(workCtx)
+	go func() {
+		defer close(committerDone)
+		r.commitLoop(committerCtx)
+	}()
+
+	if reg, err := r.observe(); err == nil {
+		defer func() { _ = reg.Unregister() }()
+	}
+	c.cfg.Logger.Info("oncely consumer started", "group", c.cfg.Group, "topics", c.cfg.Topics, "instance_id", c.cfg.InstanceID)
+	c.polling.Store(true)
+	for pollCtx.Err() == nil {
+		fetches := cl.PollRecords(pollCtx, c.cfg.MaxPollRecords)
+		if fetches.IsClientClosed() {
+			break
+		}
+		fetches.EachError(func(topic string, partition int32, err error) {
+			if !errors.Is(err, context.Canceled) {
+				c.cfg.Logger.Warn("oncely fetch error", "topic", topic, "partition", partition, "err", err)
+			}
+		})
+		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+			if len(p.Records) > 0 {
+				r.dispatch(p.Topic, p.Partition, p.HighWatermark, p.Records)
+			}
+		})
+		cl.AllowRebalance()
+	}
+	c.polling.Store(false)
+
+	// The periodic committer stops first, so that no commit of its own
+	// (waiting on a rebalance, say) holds up the final one.
+	deadline := time.Now().Add(c.cfg.ShutdownTimeout)
+	r.stopBy.Store(deadline.UnixNano())
+	stopCommitter()
+	<-committerDone
+	r.shutdown(ctx, deadline)
+	cancelWork()
+	// When Run returns, no transaction of this member is still running,
+	// unless a handler ignores cancellation past the shutdown deadline.
+	r.waitWorkers(max(time.Until(deadline), time.Second))
+	if err := r.fatal(); err != nil {
+		c.cfg.Logger.Error("oncely consumer stopped", "err", err)
+		return err
+	}
+	c.cfg.Logger.Info("oncely consumer stopped", "group", c.cfg.Group)
+	return nil
+}
+
+// fail records the first fatal error and stops the poll loop.
+func (r *run) fail(err error) {
+	r.errMu.Lock()
+	if r.err == nil {
+		r.err = err
+	}
+	r.errMu.Unlock()
+	r.cancelPoll()
+}
+
+// fatal returns the first fatal error, if any.
+func (r *run) fatal() error {
+	r.errMu.Lock()
+	defer r.errMu.Unlock()
+	return r.err
+}
+
+// dispatch appends polled records to their partition's worker, starting the
+// worker on first use. It runs on the poll goroutine between PollRecords and
+// AllowRebalance, so no revocation runs concurrently.
+func (r *run) dispatch(topic string, partition int32, hwm int64, recs []*kgo.Record) {
+	key := tp{topic, partition}
+	r.mu.Lock()
+	w := r.workers[key]
+	if w == nil {
+		w = r.newWorker(key)
+		r.workers[key] = w
+		r.c.held.Add(1)
+		r.wg.Add(1)
+		go func() {
+			defer r.wg.Done()
+			w.loop()
+		}()
+	}
+	r.mu.Unlock()
+	w.hwm.Store(hwm)
+	w.push(recs)
+}
+
+// shutdown drains the workers, commits their offsets and leaves the group.
+func (r *run) shutdown(ctx context.Context, deadline time.Time) {
+	c := r.c
+	bounded, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
+	defer cancel()
+
+	ws := r.snapshot()
+	if r.crashed.Load() {
+		stopWorkers(ws, 0) // a crashed process finishes nothing
+	} else {
+		stopWorkers(ws, c.cfg.ShutdownTimeout/2)
+		if err := r.commit(bounded, ws); err != nil {
+			c.cfg.Logger.Warn("oncely final offset commit failed", "err", err)
+		}
+	}
+	// Leaving triggers a final onRevoked, which finds its workers stopped
+	// and their offsets committed. A member that cannot reach the
+	// coordinator in time is not waited for: its session times out.
+	r.cl.AllowRebalance()
+	if err := r.cl.LeaveGroupContext(bounded); err != nil {
+		c.cfg.Logger.Warn("oncely leave group did not finish", "err", err)
+	}
+	// Close can wait on a request to a broker that stopped answering; the
+	// process must not. Past the deadline Run returns and Close finishes
+	// (or the process exits) on its own.
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		r.cl.Close()
+	}()
+	if !waitDone(closed, time.Until(deadline)+time.Second) {
+		c.cfg.Logger.Warn("oncely kafka client close is still waiting on a broker; not waiting further")
+	}
+}
+
+func (r *run) snapshot() []*worker {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ws := make([]*worker, 0, len(r.workers))
+	for _, w := range r.workers {
+		ws = append(ws, w)
+	}
+	return ws
+}
+
+func (r *run) take(parts map[string][]int32) []*worker {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var ws []*worker
+	for topic, ps := range parts {
+		for _, p := range ps {
+			if w := r.workers[tp{topic, p}]; w != nil {
+				ws = append(ws, w)
+			}
+		}
+	}
+	return ws
+}
+
+func (r *run) remove(ws []*worker) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, w := range ws {
+		if r.workers[w.tp] == w {
+			delete(r.workers, w.tp)
+			r.c.held.Add(-1)
+		}
+	}
+}
+
+// onRevoked runs when partitions move away in a rebalance (and when leaving):
+// their workers finish or abandon the in-flight record, what committed is
+// committed to Kafka, and only then does the rebalance proceed.
+func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+	ws := r.take(revoked)
+	if len(ws) > 0 {
+		limit := time.Now().Add(r.c.cfg.RevokeTimeout)
+		if by := r.stopBy.Load(); by != 0 && by < limit.UnixNano() {
+			limit = time.Unix(0, by)
+		}
+		stopWorkers(ws, time.Until(limit))
+		cctx, cancel := context.WithDeadline(ctx, limit)
+		if err := r.commit(cctx, ws); err != nil {
+			r.c.cfg.Logger.Warn("oncely commit on revoke failed", "err", err)
+		}
+		cancel()
+		r.remove(ws)
+	}
+	cl.ResumeFetchPartitions(revoked) // a partition that comes back must not stay paused
+	if len(revoked) > 0 {
+		r.c.cfg.Logger.Info("oncely partitions revoked", "partitions", revoked)
+	}
+}
+
+// onAssigned logs the partitions the member gained; their workers start
+// with their first records.
+func (r *run) onAssigned(_ context.Context, _ *kgo.Client, assigned map[string][]int32) {
+	if len(assigned) > 0 {
+		r.c.cfg.Logger.Info("oncely partitions assigned", "partitions", assigned)
+	}
+}
+
+// onLost runs when the member lost its partitions without a clean revoke
+// (session expired, fenced): another member may already own them, so the
+// in-flight records are abandoned and nothing is committed.
+func (r *run) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
+	ws := r.take(lost)
+	stopWorkers(ws, 0)
+	r.remove(ws)
+	cl.ResumeFetchPartitions(lost)
+	r.c.cfg.Logger.Warn("oncely partitions lost", "partitions", lost)
+}
+
+// commitLoop commits marked offsets every CommitInterval.
+func (r *run) commitLoop(ctx context.Context) {
+	t := time.NewTicker(r.c.cfg.CommitInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			if err := r.commit(cctx, r.snapshot()); err != nil && ctx.Err() == nil {
+				r.c.cfg.Logger.Warn("oncely offset commit failed; retrying next interval", "err", err)
+			}
+			cancel()
+		}
+	}
+}
+
+// commit synchronously commits the marked offsets of ws that are ahead of
+// what was committed. A crashed run commits nothing.
+func (r *run) commit(ctx context.Context, ws []*worker) error {
+	r.commitMu.Lock()
+	defer r.commitMu.Unlock()
+	if r.crashed.Load() {
+		return nil
+	}
+	offsets := make(map[string]map[int32]kgo.EpochOffset)
+	pending := make(map[*worker]int64)
+	for _, w := range ws {
+		eo, ok := w.dirtyMark()
+		if !ok {
+			continue
+		}
+		if offsets[w.tp.topic] == nil {
+			offsets[w.tp.topic] = make(map[int32]kgo.EpochOffset)
+		}
+		offsets[w.tp.topic][w.tp.partition] = eo
+		pending[w] = eo.Offset
+	}
+	if len(offsets) == 0 {
+		return nil
+	}
+	var cerr error
+	r.cl.CommitOffsetsSync(ctx, offsets, func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
+		if err != nil {
+			cerr = err
+			return
+		}
+		for _, t := range resp.Topics {
+			for _, p := range t.Partitions {
+				if err := kerr.ErrorForCode(p.ErrorCode); err != nil && cerr == nil {
+					cerr = fmt.Errorf("%s/%d: %w", t.Topic, p.Partition, err)
+				}
+			}
+		}
+	})
+	if cerr != nil {
+		return fmt.Errorf("consumer: commit offsets: %w", cerr)
+	}
+	r.c.commits.Add(1)
+	for w, off := range pending {
+		w.committed(off)
+	}
+	return nil
+}
+
+// waitWorkers waits up to d for worker goroutines; a handler that ignores
+// its context may outlive Run, and it can no longer commit offsets.
+func (r *run) waitWorkers(d time.Duration) {
+	done := make(chan struct{})
+	go func() { r.wg.Wait(); close(done) }()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		r.c.cfg.Logger.Warn("oncely consumer: a handler ignored cancellation and is still running")
+	}
+}
+
+// worker processes one partition's records in order.
+type worker struct {
+	r  *run
+	tp tp
+
+	ctx     context.Context    // cancelled to abandon the in-flight record
+	abandon context.CancelFunc //
+	stop    chan struct{}      // closed: finish the in-flight attempt, start nothing new
+	stopped sync.Once
+	done    chan struct{}
+	wake    chan struct{}
+
+	hwm atomic.Int64 // partition high watermark seen in the last fetch
+
+	mu         sync.Mutex
+	queue      []*kgo.Record
+	paused     bool
+	mark       kgo.EpochOffset // next offset to commit
+	hasMark    bool
+	lastCommit int64
+}
+
+func (r *run) newWorker(key tp) *worker {
+	ctx, cancel := context.WithCancel(r.workCtx)
+	return &worker{
+		r: r, tp: key, ctx: ctx, abandon: cancel,
+		stop: make(chan struct{}), done: make(chan struct{}), wake: make(chan struct{}, 1),
+		lastCommit: -1,
+	}
+}
+
+// push appends records and pauses fetching the partition when its buffer is
+// full; the worker resumes it once the buffer has drained to half.
+func (w *worker) push(recs []*kgo.Record) {
+	w.mu.Lock()
+	w.queue = append(w.queue, recs...)
+	if !w.paused && len(w.queue) >= w.r.c.cfg.MaxBufferedRecords {
+		w.paused = true
+		w.r.cl.PauseFetchPartitions(map[string][]int32{w.tp.topic: {w.tp.partition}})
+	}
+	w.mu.Unlock()
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (w *worker) next() (*kgo.Record, bool) {
+	for {
+		select {
+		case <-w.stop:
+			return nil, false
+		default:
+		}
+		w.mu.Lock()
+		if len(w.queue) > 0 {
+			rec := w.queue[0]
+			w.queue[0] = nil
+			w.queue = w.queue[1:]
+			if w.paused && len(w.queue) <= w.r.c.cfg.MaxBufferedRecords/2 {
+				w.paused = false
+				w.r.cl.ResumeFetchPartitions(map[string][]int32{w.tp.topic: {w.tp.partition}})
+			}
+			w.mu.Unlock()
+			return rec, true
+		}
+		w.mu.Unlock()
+		select {
+		case <-w.stop:
+			return nil, false
+		case <-w.wake:
+		}
+	}
+}
+
+func (w *worker) loop() {
+	defer close(w.done)
+	for {
+		rec, ok := w.next()
+		if !ok {
+			return
+		}
+		w.r.c.metrics.consumed.Add(w.ctx, 1, w.r.c.topicAttrs(rec))
+		if !w.process(rec) {
+			return
+		}
+		w.mu.Lock()
+		w.mark = kgo.EpochOffset{Epoch: rec.LeaderEpoch, Offset: rec.Offset + 1}
+		w.hasMark = true
+		w.mu.Unlock()
+	}
+}
+
+func (w *worker) dirtyMark() (kgo.EpochOffset, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.mark, w.hasMark && w.mark.Offset > w.lastCommit
+}
+
+func (w *worker) committed(off int64) {
+	w.mu.Lock()
+	w.lastCommit = max(w.lastCommit, off)
+	w.mu.Unlock()
+}
+
+// stopWorkers asks ws to stop after their in-flight attempt and waits up to
+// grace; workers still running then are abandoned (their transactions roll
+// back) and waited for a short while more.
+func stopWorkers(ws []*worker, grace time.Duration) {
+	for _, w := range ws {
+		w.stopped.Do(func() { close(w.stop) })
+	}
+	deadline := time.Now().Add(grace)
+	for _, w := range ws {
+		if !waitDone(w.done, time.Until(deadline)) {
+			w.abandon()
+		}
+	}
+	deadline = time.Now().Add(time.Second)
+	for _, w := range ws {
+		w.abandon()
+		waitDone(w.done, time.Until(deadline))
+	}
+}
+
+func waitDone(done <-chan struct{}, d time.Duration) bool {
+	if d <= 0 {
+		select {
+		case <-done:
+			return true
+		default:
+			return false
+		}
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-done:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+// process runs attempts for rec until one succeeds or the record is
+// dead-lettered (true), or the worker is stopped or abandoned (false).
+func (w *worker) process(rec *kgo.Record) bool {
+	c := w.r.c
+	if size := recordSize(rec); c.cfg.MaxRecordBytes > 0 && size > c.cfg.MaxRecordBytes {
+		now := time.Now()
+		id, err := c.messageID(rec)
+		if err != nil {
+			id = c.fallbackID(rec)
+		}
+		return w.deadLetter(rec, id, failure{
+			class: dlq.ClassOversized, first: now, last: now,
+			err: fmt.Errorf("record of %d bytes exceeds MaxRecordBytes %d", size, c.cfg.MaxRecordBytes),
+		})
+	}
+	var f failure
+	for n := 1; ; n++ {
+		res := c.attempt(w.ctx, rec, f.attempts+1)
+		switch {
+		case res.err == nil:
+			c.dbDown.Store(false)
+			if res.duplicate {
+				c.duplicates.Add(1)
+				c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
+			} else {
+				c.processed.Add(1)
+			}
+			return w.hook(w.r.hooks.AfterCommit, rec)
+		case w.ctx.Err() != nil:
+			return false // abandoned: the transaction rolled back
+		case res.infra:
+			c.dbDown.Store(true)
+		default:
+			c.dbDown.Store(false)
+			f.fail(res)
+			if class, ok := dlq.PermanentClass(res.err); ok {
+				f.class = class
+				return w.deadLetter(rec, res.id, f)
+			}
+			if f.attempts >= c.cfg.MaxAttempts {
+				f.class = dlq.ClassMaxAttempts
+				if _, panicked := errors.AsType[*PanicError](res.err); panicked {
+					f.class = dlq.ClassPanic
+				}
+				return w.deadLetter(rec, res.id, f)
+			}
+		}
+		c.retries.Add(1)
+		c.metrics.retries.Add(w.ctx, 1, c.topicAttrs(rec))
+		delay := c.backoff.Delay(n)
+		c.cfg.Logger.Warn("oncely attempt failed; retrying", "topic", rec.Topic, "partition", rec.Partition,
+			"offset", rec.Offset, "message_id", res.id, "attempt", n, "database", res.infra, "delay", delay, "err", res.err)
+		if !w.sleep(delay) {
+			return false
+		}
+	}
+}
+
+// failure accumulates what a dead-letter record says about the failures.
+type failure struct {
+	class       dlq.Class
+	attempts    int
+	first, last time.Time
+	err         error
+	span        trace.SpanContext // the last attempt's span
+	traceparent string
+	tracestate  string
+}
+
+func (f *failure) fail(res result) {
+	now := time.Now()
+	if f.first.IsZero() {
+		f.first = now
+	}
+	f.last, f.err, f.span, f.traceparent, f.tracestate = now, res.err, res.spanContext, res.traceparent, res.tracestate
+	f.attempts++
+}
+
+// deadLetter writes rec to its dead-letter topic, waits for the acks of all
+// in-sync replicas, records the id as dead-lettered in the inbox, and only
+// then lets the caller mark the offset. Failures are retried with backoff;
+// meanwhile the partition waits. It returns false if the worker was stopped
+// or abandoned first: the offset is not marked and the record is delivered
+// again to whoever owns the partition next.
+func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
+	c := w.r.c
+	redrive := isRedrive(rec)
+	if f.class == dlq.ClassOversized { // never claimed: check for a redelivery here
+		for n := 1; ; n++ {
+			o, err := c.inbox.Lookup(w.ctx, c.cfg.Pool, c.cfg.Group, id)
+			if err == nil && (o == dedup.Processed || !redrive) {
+				c.duplicates.Add(1)
+				return w.hook(w.r.hooks.AfterCommit, rec)
+			}
+			if err == nil || errors.Is(err, dedup.ErrNotClaimed) {
+				break
+			}
+			c.dbDown.Store(true)
+			if !w.sleep(c.backoff.Delay(n)) {
+				return false
+			}
+		}
+	}
+	info := &dlq.Info{
+		Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset, Timestamp: rec.Timestamp,
+		Group: c.cfg.Group, MessageID: id, Attempts: f.attempts, FirstFailure: f.first, LastFailure: f.last,
+		Class: f.class, Error: f.err.Error(), TraceParent: f.traceparent, TraceState: f.tracestate,
+	}
+	topic := c.cfg.DeadLetterTopic(rec.Topic)
+	sendCtx, span := c.startSendSpan(w.ctx, topic, f.span, id)
+	defer span.End()
+	span.SetAttributes(telemetry.DLQClass.String(string(f.class)))
+	for n := 1; ; n++ {
+		out := dlq.NewRecord(topic, rec, info, c.cfg.DeadLetterHeaders) // a fresh record per produce
+		// The dead-letter record continues from the send span; the
+		// producer's own context stays in HeaderOriginalTraceParent.
+		if tp := (telemetry.Carrier{Headers: &rec.Headers}).Get("traceparent"); tp != "" {
+			out.Headers = append(out.Headers, kgo.RecordHeader{Key: dlq.HeaderOriginalTraceParent, Value: []byte(tp)})
+		}
+		telemetry.Inject(sendCtx, &out.Headers)
+		ctx, cancel := context.WithTimeout(w.ctx, c.cfg.DeadLetterTimeout)
+		err := w.r.cl.ProduceSync(ctx, out).FirstErr()
+		cancel()
+		if err == nil {
+			c.metrics.sent.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka, telemetry.MessagingDestination.String(topic)))
+			break
+		}
+		c.metrics.sent.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka, telemetry.MessagingDestination.String(topic),
+			telemetry.ErrorType.String("produce")))
+		if w.ctx.Err() != nil {
+			telemetry.Fail(span, err, "produce")
+			return false
+		}
+		c.deadLetterErrs.Add(1)
+		delay := c.backoff.Delay(n)
+		c.cfg.Logger.Error("oncely dead-letter produce failed; partition waits", "topic", rec.Topic,
+			"partition", rec.Partition, "offset", rec.Offset, "dlq_topic", topic, "delay", delay, "err", err)
+		if !w.sleep(delay) {
+			return false
+		}
+	}
+	entry := dedup.Entry{Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition,
+		Offset: rec.Offset, Outcome: dedup.DeadLettered}
+	for n := 1; ; n++ {
+		// An id already present (dead-lettered before a redrive, or processed
+		// by a zombie meanwhile) keeps its row: DO NOTHING.
+		_, err := c.inbox.Claim(w.ctx, c.cfg.Pool, entry)
+		if err == nil {
+			break
+		}
+		if w.ctx.Err() != nil {
+			return false
+		}
+		c.dbDown.Store(true)
+		if !w.sleep(c.backoff.Delay(n)) {
+			return false
+		}
+	}
+	c.dbDown.Store(false)
+	c.deadLettered.Add(1)
+	c.metrics.deadLettered.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka,
+		telemetry.MessagingConsumerGroup.String(c.cfg.Group), telemetry.MessagingDestination.String(rec.Topic),
+		telemetry.DLQClass.String(string(f.class))))
+	c.cfg.Logger.Warn("oncely record dead-lettered", "topic", rec.Topic, "partition", rec.Partition,
+		"offset", rec.Offset, "message_id", id, "class", f.class, "attempts", f.attempts, "dlq_topic", topic, "err", f.err)
+	return w.hook(w.r.hooks.AfterDeadLetter, rec)
+}
+
+// hook runs a test hook; a simulated crash stops the run and reports false.
+func (w *worker) hook(h func(*kgo.Record) error, rec *kgo.Record) bool {
+	if h == nil {
+		return true
+	}
+	if err := h(rec); errors.Is(err, testhook.ErrCrash) {
+		w.r.crashed.Store(true)
+		w.r.fail(fmt.Errorf("consumer: %w", err))
+		return false
+	}
+	return true
+}
+
+// sleep waits d, or less if the worker is stopped or abandoned (false).
+func (w *worker) sleep(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-w.stop:
+		return false
+	case <-w.ctx.Done():
+		return false
+	}
+}
+
+func recordSize(rec *kgo.Record) int {
+	n := len(rec.Key) + len(rec.Value)
+	for _, h := range rec.Headers {
+		n += len(h.Key) + len(h.Value)
+	}
+	return n
+}
+
+func isRedrive(rec *kgo.Record) bool {
+	for _, h := range rec.Headers {
+		if h.Key == dlq.HeaderRedrive {
+			return true
+		}
+	}
+	return false
+}
+
+type result struct {
+	id        string
+	duplicate bool
+	err       error
+	infra     bool // the database, not the handler, failed
+
+	spanContext             trace.SpanContext // the attempt's span
+	traceparent, tracestate string            // its W3C form
+}
+
+// attempt is the record path: one transaction whose first statement claims
+// the message id; the handler runs only for a new claim; then commit.
+func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (res result) {
+	start := time.Now()
+	id, idErr := c.messageID(rec)
+	if idErr != nil {
+		id = c.fallbackID(rec)
+	}
+	ctx, span := c.startProcessSpan(ctx, rec, id, attempt)
+	defer func() { c.endProcessSpan(ctx, span, rec, start, res) }()
+	res.spanContext = span.SpanContext()
+	res.traceparent, res.tracestate = telemetry.TraceContext(ctx)
+	if idErr != nil {
+		res.id, res.err = id, dlq.Undecodable(idErr)
+		return res
+	}
+	res.id = id
+	tx, err := c.cfg.Pool.Begin(ctx)
+	if err != nil {
+		res.err, res.infra = fmt.Errorf("consumer: begin: %w", err), true
+		return res
+	}
+	defer func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = tx.Rollback(rctx) // no-op after commit
+	}()
+
+	claimed, err := c.inbox.Claim(ctx, tx, dedup.Entry{
+		Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
+		Redrive: isRedrive(rec),
+	})
+	if err != nil {
+		res.err, res.infra = err, true
+		return res
+	}
+	if !claimed {
+		res.duplicate = true
+		return res
+	}
+	msg := &Message{
+		ID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
+		Key: rec.Key, Value: rec.Value, Headers: rec.Headers, Timestamp: rec.Timestamp,
+		Attempt: attempt, Record: rec,
+	}
+	if err := callHandler(ctx, c.cfg.Handler, tx, msg); err != nil {
+		res.err, res.infra = err, tx.Conn().IsClosed()
+		return res
+	}
+	if err := tx.Commit(ctx); err != nil {
+		res.err, res.infra = fmt.Errorf("consumer: commit: %w", err), tx.Conn().IsClosed()
+		return res
+	}
+	return res
+}
+
+// startProcessSpan starts the attempt's "process <topic>" CONSUMER span. It
+// is linked to the message's creation context (the producer's span, carried
+// in the record's traceparent header) and, unless UntrustedProducers, is
+// parented to it too.
+func (c *Consumer) startProcessSpan(ctx context.Context, rec *kgo.Record, id string, attempt int) (context.Context, trace.Span) {
+	attrs := append(telemetry.RecordAttrs(rec),
+		telemetry.MessagingOperationType.String("process"),
+		telemetry.MessagingOperationName.String("process"),
+		telemetry.MessagingConsumerGroup.String(c.cfg.Group),
+		telemetry.MessagingMessageID.String(id),
+		telemetry.Attempt.Int(attempt),
+	)
+	if c.cfg.RecordKeyAttribute && rec.Key != nil {
+		attrs = append(attrs, telemetry.MessagingKafkaKey.String(string(rec.Key)))
+	}
+	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...)}
+	if creation := telemetry.Extract(rec.Headers); creation.IsValid() {
+		opts = append(opts, trace.WithLinks(trace.Link{SpanContext: creation}))
+		if c.cfg.UntrustedProducers {
+			opts = append(opts, trace.WithNewRoot())
+		} else {
+			ctx = trace.ContextWithRemoteSpanContext(ctx, creation)
+		}
+	}
+	return c.tracer.Start(ctx, "process "+rec.Topic, opts...)
+}
+
+func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo.Record, start time.Time, res result) {
+	outcome := "new"
+	switch {
+	case res.duplicate:
+		outcome = "duplicate"
+	case isRedrive(rec):
+		outcome = "redrive"
+	}
+	attrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingDestination.String(rec.Topic),
+		telemetry.MessagingConsumerGroup.String(c.cfg.Group), telemetry.MessagingOperationName.String("process")}
+	if res.err != nil {
+		kind := "handler"
+		switch {
+		case res.infra:
+			kind = "database"
+		case errors.As(res.err, new(*PanicError)):
+			kind = "panic"
+		default:
+			if class, ok := dlq.PermanentClass(res.err); ok {
+				kind = string(class)
+			}
+		}
+		telemetry.Fail(span, res.err, kind)
+		attrs = append(attrs, telemetry.ErrorType.String(kind))
+	} else {
+		span.SetAttributes(telemetry.DedupOutcome.String(outcome))
+	}
+	span.End()
+	c.metrics.processDuration.Record(ctx, time.Since(start).Seconds(), metric.WithAttributes(attrs...))
+}
+
+func callHandler(ctx context.Context, h Handler, tx pgx.Tx, msg *Message) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = &PanicError{Value: v, Stack: debug.Stack()}
+		}
+	}()
+	return h(ctx, tx, msg)
+}
+
+// messageID returns the dedup id of rec: KeyFunc, else the message-id
+// header, else topic/partition/offset.
+func (c *Consumer) messageID(rec *kgo.Record) (string, error) {
+	var id string
+	if c.cfg.KeyFunc != nil {
+		var err error
+		if id, err = c.cfg.KeyFunc(rec); err != nil {
+			return "", fmt.Errorf("consumer: key func: %w", err)
+		}
+		if id == "" {
+			return "", errors.New("consumer: key func returned an empty id")
+		}
+	} else {
+		for _, h := range rec.Headers {
+			if h.Key == c.cfg.MessageIDHeader && len(h.Value) > 0 {
+				id = string(h.Value)
+				break
+			}
+		}
+		if id == "" {
+			id = c.fallbackID(rec)
+		}
+	}
+	if len(id) > MaxMessageIDLen {
+		return "", fmt.Errorf("consumer: message id of %d bytes exceeds %d", len(id), MaxMessageIDLen)
+	}
+	return id, nil
+}
+
+// fallbackID is the dedup id of a record without a message id.
+func (c *Consumer) fallbackID(rec *kgo.Record) string {
+	return fmt.Sprintf("%s/%d/%d", rec.Topic, rec.Partition, rec.Offset)
+}

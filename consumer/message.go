@@ -1,0 +1,54 @@
+package consumer
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// Message is a record handed to a Handler.
+type Message struct {
+	// ID is the dedup id (see Config.KeyFunc and Config.MessageIDHeader).
+	ID        string
+	Topic     string
+	Partition int32
+	Offset    int64
+	Key       []byte
+	Value     []byte
+	Headers   []kgo.RecordHeader
+	Timestamp time.Time
+	// Attempt counts handler runs for this record in this process, from 1.
+	Attempt int
+	// Record is the underlying franz-go record. Do not modify it.
+	Record *kgo.Record
+}
+
+// Header returns the value of the first header named key.
+func (m *Message) Header(key string) (string, bool) {
+	for _, h := range m.Headers {
+		if h.Key == key {
+			return string(h.Value), true
+		}
+	}
+	return "", false
+}
+
+// PanicError is the error recorded for a handler that panicked.
+type PanicError struct {
+	Value any
+	Stack []byte
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("consumer: handler panicked: %v", e.Value) }
+
+// Stats are a consumer's counters since it was created.
+type Stats struct {
+	Processed      int64 // records whose handler ran and committed
+	Duplicates     int64 // records skipped because their id was already in the inbox
+	Retries        int64 // failed attempts that were retried
+	DeadLettered   int64 // records written to a dead-letter topic and recorded in the inbox
+	DeadLetterErrs int64 // failed dead-letter produces (each retried)
+	OffsetCommits  int64 // successful offset commit requests
+	PartitionsHeld int64 // partitions with a live worker right now
+}

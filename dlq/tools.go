@@ -1,0 +1,280 @@
+package dlq
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/dedup"
+)
+
+// Entry is a dead-letter record read back from a dead-letter topic.
+type Entry struct {
+	// Record is the dead-letter record; its Topic, Partition and Offset are
+	// its place in the dead-letter topic.
+	Record *kgo.Record
+	// Info is decoded from its headers; nil when Err is set.
+	Info *Info
+	// Err is set for a record that is not a valid dead-letter record. Such
+	// records are listed, never redriven.
+	Err error
+	// Copies counts the dead-letter records with the same group, dedup id
+	// and source coordinates (more than 1 after a crash between the
+	// dead-letter produce and the inbox commit). Only the first is listed.
+	Copies int
+}
+
+// Ref names the entry's dead-letter record as topic/partition/offset.
+func (e *Entry) Ref() string {
+	return fmt.Sprintf("%s/%d/%d", e.Record.Topic, e.Record.Partition, e.Record.Offset)
+}
+
+// Filter selects entries. Zero fields match everything.
+type Filter struct {
+	SourceTopic string    // source topic
+	Group       string    // consumer group
+	Class       Class     // error class
+	MessageID   string    // dedup id
+	Since       time.Time // last failure at or after
+	Until       time.Time // last failure before
+	// Refs selects dead-letter records by partition/offset ("0/17") or
+	// topic/partition/offset.
+	Refs []string
+}
+
+func (f *Filter) match(e *Entry) bool {
+	if len(f.Refs) > 0 {
+		ok := false
+		short := fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset)
+		for _, r := range f.Refs {
+			ok = ok || r == short || r == e.Ref()
+		}
+		if !ok {
+			return false
+		}
+	}
+	if e.Info == nil {
+		return f.SourceTopic == "" && f.Group == "" && f.Class == "" && f.MessageID == "" && f.Since.IsZero() && f.Until.IsZero()
+	}
+	i := e.Info
+	return (f.SourceTopic == "" || i.Topic == f.SourceTopic) &&
+		(f.Group == "" || i.Group == f.Group) &&
+		(f.Class == "" || i.Class == f.Class) &&
+		(f.MessageID == "" || i.MessageID == f.MessageID) &&
+		(f.Since.IsZero() || !i.LastFailure.Before(f.Since)) &&
+		(f.Until.IsZero() || i.LastFailure.Before(f.Until))
+}
+
+// List reads the dead-letter topic from its start to its current end and
+// returns the entries that match f, in partition and offset order. It
+// creates its own client from opts (seed brokers, TLS, SASL).
+func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry, error) {
+	if topic == "" {
+		return nil, errors.New("dlq: list: topic is empty")
+	}
+	admin, err := kgo.NewClient(opts...)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: list: client: %w", err)
+	}
+	defer admin.Close()
+	adm := kadm.NewClient(admin)
+	starts, err := adm.ListStartOffsets(ctx, topic)
+	if err == nil {
+		err = starts.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("dlq: list %s: %w", topic, err)
+	}
+	ends, err := adm.ListEndOffsets(ctx, topic)
+	if err == nil {
+		err = ends.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("dlq: list %s: %w", topic, err)
+	}
+	from := map[string]map[int32]kgo.Offset{topic: {}}
+	remaining := map[int32]int64{} // partition -> end offset still to reach
+	starts.Each(func(o kadm.ListedOffset) {
+		end, _ := ends.Lookup(o.Topic, o.Partition)
+		if end.Offset > o.Offset {
+			from[topic][o.Partition] = kgo.NewOffset().At(o.Offset)
+			remaining[o.Partition] = end.Offset
+		}
+	})
+	if len(remaining) == 0 {
+		return nil, nil
+	}
+	cl, err := kgo.NewClient(append(append([]kgo.Opt(nil), opts...), kgo.ConsumePartitions(from))...)
+	if err != nil {
+		return nil, fmt.Errorf("dlq: list: client: %w", err)
+	}
+	defer cl.Close()
+
+	byPart := map[int32][]*kgo.Record{}
+	for len(remaining) > 0 {
+		fetches := cl.PollFetches(ctx)
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("dlq: list %s: %w", topic, err)
+		}
+		var ferr error
+		fetches.EachError(func(_ string, p int32, err error) { ferr = fmt.Errorf("partition %d: %w", p, err) })
+		if ferr != nil {
+			return nil, fmt.Errorf("dlq: list %s: %w", topic, ferr)
+		}
+		fetches.EachRecord(func(r *kgo.Record) {
+			end, ok := remaining[r.Partition]
+			if !ok || r.Offset >= end {
+				return
+			}
+			byPart[r.Partition] = append(byPart[r.Partition], r)
+			if r.Offset+1 >= end {
+				delete(remaining, r.Partition)
+			}
+		})
+	}
+
+	var out []Entry
+	seen := map[string]int{} // identity -> index in out
+	parts := make([]int32, 0, len(byPart))
+	for p := range byPart {
+		parts = append(parts, p)
+	}
+	slices.Sort(parts)
+	for _, p := range parts {
+		for _, r := range byPart[p] {
+			e := Entry{Record: r, Copies: 1}
+			e.Info, e.Err = Decode(r.Headers)
+			if e.Info != nil {
+				id := fmt.Sprintf("%s\x00%s\x00%s/%d/%d", e.Info.Group, e.Info.MessageID, e.Info.Topic, e.Info.Partition, e.Info.Offset)
+				if i, dup := seen[id]; dup {
+					if out[i].Copies > 0 {
+						out[i].Copies++
+					}
+					continue
+				}
+				if !f.match(&e) {
+					seen[id] = -1 // remember, so later copies are not listed either
+					continue
+				}
+				seen[id] = len(out)
+			} else if !f.match(&e) {
+				continue
+			}
+			out = append(out, e)
+		}
+	}
+	return out, nil
+}
+
+// RedriveOptions configures Redrive.
+type RedriveOptions struct {
+	// ToTopic sends every record to this topic instead of its source topic.
+	ToTopic string
+	// DryRun reports what would be produced without producing.
+	DryRun bool
+	// IDHeader is the dedup id header on the redriven record.
+	// Default "message-id".
+	IDHeader string
+	// Inbox and DB, when both set, let Redrive skip records whose dedup id
+	// the inbox of their group holds as processed (already redriven with
+	// success). Without them the consumer's inbox still makes such a
+	// redrive a no-op.
+	Inbox *dedup.Inbox
+	DB    dedup.DBTX
+}
+
+// Action is what Redrive did with an entry.
+type Action string
+
+// Redrive actions.
+const (
+	Redriven       Action = "redriven"
+	WouldRedrive   Action = "would-redrive"
+	SkipProcessed  Action = "skipped-processed" // the inbox holds the id as processed
+	SkipNotDecoded Action = "skipped-invalid"   // not a valid dead-letter record
+)
+
+// Result is the outcome of redriving one entry.
+type Result struct {
+	Entry  *Entry
+	Action Action
+	Topic  string // destination topic
+	// Partition and Offset of the produced record (Redriven only).
+	Partition int32
+	Offset    int64
+}
+
+// Redrive produces entries back to their source topic (or opts.ToTopic) with
+// their key and value, the dedup id, the trace context and a HeaderRedrive
+// header. It stops at the first produce error and returns the results so far.
+func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts RedriveOptions) ([]Result, error) {
+	idHeader := cmp.Or(opts.IDHeader, HeaderMessageIDDefault)
+	results := make([]Result, 0, len(entries))
+	for i := range entries {
+		e := &entries[i]
+		res := Result{Entry: e}
+		if e.Info == nil {
+			res.Action = SkipNotDecoded
+			results = append(results, res)
+			continue
+		}
+		res.Topic = cmp.Or(opts.ToTopic, e.Info.Topic)
+		if opts.Inbox != nil && opts.DB != nil {
+			o, err := opts.Inbox.Lookup(ctx, opts.DB, e.Info.Group, e.Info.MessageID)
+			switch {
+			case err == nil && o == dedup.Processed:
+				res.Action = SkipProcessed
+				results = append(results, res)
+				continue
+			case err != nil && !errors.Is(err, dedup.ErrNotClaimed):
+				return results, fmt.Errorf("dlq: redrive %s: %w", e.Ref(), err)
+			}
+		}
+		if opts.DryRun {
+			res.Action = WouldRedrive
+			results = append(results, res)
+			continue
+		}
+		rec := RedriveRecord(e, res.Topic, idHeader)
+		if err := producer.ProduceSync(ctx, rec).FirstErr(); err != nil {
+			return results, fmt.Errorf("dlq: redrive %s to %s: %w", e.Ref(), res.Topic, err)
+		}
+		res.Action, res.Partition, res.Offset = Redriven, rec.Partition, rec.Offset
+		results = append(results, res)
+	}
+	return results, nil
+}
+
+// RedriveRecord builds the record Redrive produces for e.
+func RedriveRecord(e *Entry, topic, idHeader string) *kgo.Record {
+	headers := make([]kgo.RecordHeader, 0, len(e.Record.Headers))
+	var original []byte
+	for _, h := range e.Record.Headers {
+		if h.Key == HeaderOriginalTraceParent {
+			original = h.Value
+		}
+	}
+	for _, h := range e.Record.Headers {
+		switch {
+		case strings.HasPrefix(h.Key, Prefix) || h.Key == HeaderRedrive || h.Key == idHeader:
+			continue
+		case h.Key == "traceparent" && original != nil:
+			// Back to the message's creation context: the redriven record
+			// continues the original trace, not the dead-letter send.
+			h.Value = original
+		}
+		headers = append(headers, h)
+	}
+	headers = append(headers,
+		kgo.RecordHeader{Key: idHeader, Value: []byte(e.Info.MessageID)},
+		kgo.RecordHeader{Key: HeaderRedrive, Value: []byte(e.Ref())},
+	)
+	return &kgo.Record{Topic: topic, Key: e.Record.Key, Value: e.Record.Value, Headers: headers}
+}
