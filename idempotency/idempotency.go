@@ -1,0 +1,548 @@
+package idempotency
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net/http"
+	"net/textproto"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/oncely/oncely/internal/sqlident"
+)
+
+// DB is what the middleware needs from Postgres; *pgxpool.Pool satisfies it.
+// Every request the middleware handles holds one connection from Begin until
+// its response is recorded, so the pool size bounds how many keyed requests
+// run at once.
+type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Defaults of Config.
+const (
+	DefaultHeader           = "Idempotency-Key"
+	DefaultMaxKeyLength     = 255
+	DefaultMaxBodyBytes     = 1 << 20
+	DefaultMaxResponseBytes = 1 << 20
+	DefaultTTL              = 24 * time.Hour
+	DefaultRetryAfter       = time.Second
+	DefaultCommitTimeout    = 10 * time.Second
+	DefaultCleanupBatchSize = 1000
+	DefaultCleanupInterval  = time.Minute
+)
+
+// ReplayedHeader marks a response replayed from the table.
+const ReplayedHeader = "Idempotent-Replayed"
+
+// Limits on Config values.
+const (
+	// MaxKeyLengthLimit is the largest Config.MaxKeyLength: (scope, key) must
+	// fit a btree index entry.
+	MaxKeyLengthLimit = 1024
+	// MaxBytesLimit is the largest Config.MaxBodyBytes and
+	// Config.MaxResponseBytes: a bytea value holds at most 1 GiB.
+	MaxBytesLimit = 1<<30 - 1
+)
+
+// Config configures a Middleware. Every field is optional.
+type Config struct {
+	// Schema holds the idempotency_keys table (created by package
+	// migrations). Default "oncely".
+	Schema string
+	// Header is the request header that carries the key. Default
+	// "Idempotency-Key".
+	Header string
+	// MaxKeyLength bounds a key, in bytes. Default 255, at most 1024.
+	MaxKeyLength int
+	// Methods lists the request methods the middleware applies to; requests
+	// with other methods pass through untouched. Default POST and PATCH.
+	Methods []string
+	// Scope maps a request to the namespace of its key, typically the
+	// authenticated client: two clients that send the same key then get
+	// independent requests. It runs after the handlers wrapped around the
+	// middleware (e.g. authentication). Default: one scope for everybody.
+	Scope func(r *http.Request) string
+	// FingerprintQuery adds the raw query string to the request
+	// fingerprint. Default: method, path and body only.
+	FingerprintQuery bool
+	// MaxBodyBytes bounds the request body read for the fingerprint; larger
+	// bodies get 413. Default 1 MiB.
+	MaxBodyBytes int64
+	// MaxResponseBytes bounds the response body the handler may write;
+	// beyond it the request is rolled back and answered 500. Default 1 MiB.
+	MaxResponseBytes int64
+	// ReplayHeaders lists the response headers recorded and replayed along
+	// with the status and body. Default Content-Type and Location.
+	// Content-Length is always derived from the body; framing headers
+	// (Connection, Transfer-Encoding, Trailer) are refused.
+	ReplayHeaders []string
+	// StoreStatus decides which final statuses are recorded. A response
+	// that is not recorded is not committed either: the handler's writes
+	// are rolled back with the key, and a retry runs the handler afresh.
+	// Default DefaultStoreStatus.
+	StoreStatus func(status int) bool
+	// TTL is how long a recorded response is replayed, counted from the
+	// start of the first request's transaction; after it the key is free
+	// again. It should exceed the longest time clients keep retrying.
+	// Default 24 hours, at least one second.
+	TTL time.Duration
+	// RetryAfter is sent with 409 (key in progress) and 503 (database
+	// unavailable), rounded up to whole seconds. Default 1 second.
+	RetryAfter time.Duration
+	// CommitTimeout bounds recording the response and committing. These run
+	// even if the client has gone away (its retry then gets the replay).
+	// Default 10 seconds.
+	CommitTimeout time.Duration
+	// CleanupBatchSize bounds the rows DeleteExpired deletes per statement.
+	// Default 1000.
+	CleanupBatchSize int
+	// CleanupInterval is the pause between passes of Run. Default 1 minute.
+	CleanupInterval time.Duration
+	// Logger receives database failures and cleanup passes. Default: discard.
+	Logger *slog.Logger
+}
+
+// DefaultStoreStatus records every final status below 500 except those that
+// ask the client to try again later (408, 409, 425, 429): recording those
+// would answer "try again later" for the whole TTL.
+func DefaultStoreStatus(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return status >= 200 && status < 500
+}
+
+// Middleware makes keyed requests take effect once. Create it with New and
+// wrap handlers with Handler or Require.
+type Middleware struct {
+	db         DB
+	cfg        Config
+	methods    map[string]bool
+	replay     map[string]bool // canonical header names
+	retryAfter string
+	ttl        float64 // seconds
+	q          queries
+	hooks      hooks
+}
+
+type queries struct {
+	claim, load, record, deleteExpired string
+}
+
+// hooks are the test-only crash points (set through export_test.go).
+type hooks struct {
+	// afterCommit runs after the response was committed and before it is
+	// written; an error makes the middleware abort the connection as if the
+	// process died there.
+	afterCommit func(r *http.Request) error
+}
+
+// New validates cfg, fills in its defaults and builds the SQL.
+func New(db DB, cfg Config) (*Middleware, error) {
+	if db == nil {
+		return nil, errors.New("idempotency: db is nil")
+	}
+	cfg.Schema = cmp.Or(cfg.Schema, sqlident.DefaultSchema)
+	if err := sqlident.ValidateSchema("idempotency: Config.Schema", cfg.Schema); err != nil {
+		return nil, err
+	}
+	cfg.Header = cmp.Or(cfg.Header, DefaultHeader)
+	if !validToken(cfg.Header) {
+		return nil, fmt.Errorf("idempotency: Config.Header: %q is not a valid header name", cfg.Header)
+	}
+	if cfg.MaxKeyLength < 0 || cfg.MaxKeyLength > MaxKeyLengthLimit {
+		return nil, fmt.Errorf("idempotency: Config.MaxKeyLength: %d is outside [0, %d] (0: default %d)", cfg.MaxKeyLength, MaxKeyLengthLimit, DefaultMaxKeyLength)
+	}
+	cfg.MaxKeyLength = cmp.Or(cfg.MaxKeyLength, DefaultMaxKeyLength)
+	if cfg.Methods == nil {
+		cfg.Methods = []string{http.MethodPost, http.MethodPatch}
+	}
+	if len(cfg.Methods) == 0 {
+		return nil, errors.New("idempotency: Config.Methods: empty (nil: default POST and PATCH)")
+	}
+	methods := make(map[string]bool, len(cfg.Methods))
+	for _, m := range cfg.Methods {
+		if !validToken(m) {
+			return nil, fmt.Errorf("idempotency: Config.Methods: %q is not a valid method", m)
+		}
+		methods[m] = true
+	}
+	for name, v := range map[string]*int64{"MaxBodyBytes": &cfg.MaxBodyBytes, "MaxResponseBytes": &cfg.MaxResponseBytes} {
+		if *v < 0 || *v > MaxBytesLimit {
+			return nil, fmt.Errorf("idempotency: Config.%s: %d is outside [0, %d] (0: default 1 MiB)", name, *v, MaxBytesLimit)
+		}
+	}
+	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
+	cfg.MaxResponseBytes = cmp.Or(cfg.MaxResponseBytes, DefaultMaxResponseBytes)
+	if cfg.ReplayHeaders == nil {
+		cfg.ReplayHeaders = []string{"Content-Type", "Location"}
+	}
+	replay := make(map[string]bool, len(cfg.ReplayHeaders))
+	for _, h := range cfg.ReplayHeaders {
+		if !validToken(h) {
+			return nil, fmt.Errorf("idempotency: Config.ReplayHeaders: %q is not a valid header name", h)
+		}
+		c := textproto.CanonicalMIMEHeaderKey(h)
+		switch c {
+		case "Content-Length", "Transfer-Encoding", "Connection", "Trailer", ReplayedHeader:
+			return nil, fmt.Errorf("idempotency: Config.ReplayHeaders: %s is set by the middleware or the server and cannot be replayed", c)
+		}
+		replay[c] = true
+	}
+	if cfg.StoreStatus == nil {
+		cfg.StoreStatus = DefaultStoreStatus
+	}
+	if cfg.TTL < 0 || (cfg.TTL > 0 && cfg.TTL < time.Second) {
+		return nil, fmt.Errorf("idempotency: Config.TTL: %s is below one second (0: default %s)", cfg.TTL, DefaultTTL)
+	}
+	cfg.TTL = cmp.Or(cfg.TTL, DefaultTTL)
+	for name, v := range map[string]time.Duration{"RetryAfter": cfg.RetryAfter, "CommitTimeout": cfg.CommitTimeout, "CleanupInterval": cfg.CleanupInterval} {
+		if v < 0 {
+			return nil, fmt.Errorf("idempotency: Config.%s: %s is negative", name, v)
+		}
+	}
+	if cfg.CleanupBatchSize < 0 {
+		return nil, fmt.Errorf("idempotency: Config.CleanupBatchSize: %d is negative", cfg.CleanupBatchSize)
+	}
+	cfg.RetryAfter = cmp.Or(cfg.RetryAfter, DefaultRetryAfter)
+	cfg.CommitTimeout = cmp.Or(cfg.CommitTimeout, DefaultCommitTimeout)
+	cfg.CleanupBatchSize = cmp.Or(cfg.CleanupBatchSize, DefaultCleanupBatchSize)
+	cfg.CleanupInterval = cmp.Or(cfg.CleanupInterval, DefaultCleanupInterval)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+
+	t := sqlident.Table(cfg.Schema, "idempotency_keys")
+	return &Middleware{
+		db:         db,
+		cfg:        cfg,
+		methods:    methods,
+		replay:     replay,
+		retryAfter: strconv.FormatInt(int64(math.Ceil(cfg.RetryAfter.Seconds())), 10),
+		ttl:        cfg.TTL.Seconds(),
+		q: queries{
+			// One round trip decides the request's fate. The advisory
+			// lock is the "in progress" marker: it is tried without
+			// waiting (held = false: another open transaction owns the
+			// key, 409) and lives exactly as long as this transaction.
+			// Only then is the row inserted; claimed = false means a
+			// committed row holds the key (replay or 422). A committed
+			// row that has expired, or that holds no response (status 0:
+			// only possible if a handler committed the transaction behind
+			// the middleware's back), is taken over. The lock CTE is
+			// materialized, so it runs once, before the insert reads it.
+			claim: `WITH held_lock AS MATERIALIZED (
+					SELECT pg_try_advisory_xact_lock($5::bigint) AS held
+				), claimed AS (
+					INSERT INTO ` + t + ` AS k (scope, key, fingerprint, expires_at)
+					SELECT $1::text, $2::text, $3::bytea, now() + make_interval(secs => $4::float8)
+					FROM held_lock WHERE held_lock.held
+					ON CONFLICT (scope, key) DO UPDATE
+					SET fingerprint = EXCLUDED.fingerprint, status = 0,
+					    header_names = '{}', header_values = '{}', body = '',
+					    created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at
+					WHERE k.expires_at <= now() OR k.status = 0
+					RETURNING 1
+				)
+				SELECT held, EXISTS (SELECT FROM claimed) FROM held_lock`,
+			load: `SELECT fingerprint, status, header_names, header_values, body
+				FROM ` + t + ` WHERE scope = $1 AND key = $2`,
+			record: `UPDATE ` + t + `
+				SET status = $3, header_names = $4, header_values = $5, body = $6, completed_at = now()
+				WHERE scope = $1 AND key = $2 AND status = 0`,
+			// Database time decides expiry; SKIP LOCKED steps over rows a
+			// request is taking over or replaying right now.
+			deleteExpired: `DELETE FROM ` + t + ` WHERE (scope, key) IN (
+				SELECT scope, key FROM ` + t + `
+				WHERE expires_at <= now()
+				ORDER BY expires_at
+				LIMIT $1
+				FOR UPDATE SKIP LOCKED)`,
+		},
+	}, nil
+}
+
+// Handler wraps next: a request with a key (and one of Config.Methods) takes
+// effect once per key; a request without a key passes through untouched, and
+// Tx reports false in it.
+func (m *Middleware) Handler(next http.Handler) http.Handler { return m.wrap(next, false) }
+
+// Require wraps next like Handler, but a request with one of Config.Methods
+// and no key is refused with 400.
+func (m *Middleware) Require(next http.Handler) http.Handler { return m.wrap(next, true) }
+
+func (m *Middleware) wrap(next http.Handler, required bool) http.Handler {
+	if next == nil {
+		panic("idempotency: nil handler")
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		m.serve(w, r, next, required)
+	})
+}
+
+// Schema returns the schema of the idempotency_keys table.
+func (m *Middleware) Schema() string { return m.cfg.Schema }
+
+type ctxKey struct{}
+
+type request struct {
+	tx         pgx.Tx
+	scope, key string
+}
+
+// Tx returns the transaction of the keyed request that ctx belongs to. The
+// handler's writes through it commit together with the recorded response,
+// or not at all. The middleware owns it: its Commit and Rollback return
+// ErrTxOwned (use a savepoint, tx.Begin, to undo part of the work; answer a
+// status that is not stored, such as a 5xx, to undo all of it).
+func Tx(ctx context.Context) (pgx.Tx, bool) {
+	req, ok := ctx.Value(ctxKey{}).(*request)
+	if !ok {
+		return nil, false
+	}
+	return req.tx, true
+}
+
+// Key returns the scope and key of the keyed request that ctx belongs to,
+// e.g. to derive a stable message id for an outbox message.
+func Key(ctx context.Context) (scope, key string, ok bool) {
+	req, ok := ctx.Value(ctxKey{}).(*request)
+	if !ok {
+		return "", "", false
+	}
+	return req.scope, req.key, true
+}
+
+// ErrTxOwned is returned by Commit and Rollback of the transaction Tx gives
+// a handler: the middleware commits it with the response, or rolls it back.
+var ErrTxOwned = errors.New("idempotency: the request's transaction is committed or rolled back by the middleware")
+
+// ownedTx is the handler's view of the request's transaction.
+type ownedTx struct{ pgx.Tx }
+
+func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
+func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
+
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler, required bool) {
+	if !m.methods[r.Method] {
+		next.ServeHTTP(w, r)
+		return
+	}
+	values := r.Header.Values(m.cfg.Header)
+	if len(values) == 0 {
+		if required {
+			problem(w, http.StatusBadRequest, "this endpoint requires an "+m.cfg.Header+" header")
+			return
+		}
+		next.ServeHTTP(w, r)
+		return
+	}
+	key, err := parseKey(values, m.cfg.MaxKeyLength)
+	if err != nil {
+		problem(w, http.StatusBadRequest, m.cfg.Header+": "+err.Error())
+		return
+	}
+	var scope string
+	if m.cfg.Scope != nil {
+		scope = m.cfg.Scope(r)
+	}
+	if err := checkScope(scope); err != nil {
+		m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: bad scope", "err", err)
+		problem(w, http.StatusInternalServerError, "the request was not processed")
+		return
+	}
+
+	// The body is read once, bounded, hashed as received and handed to the
+	// handler again.
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxBodyBytes))
+	if err != nil {
+		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
+			problem(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("the request body exceeds %d bytes", m.cfg.MaxBodyBytes))
+			return
+		}
+		problem(w, http.StatusBadRequest, "could not read the request body")
+		return
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	r.ContentLength = int64(len(body))
+	fp := fingerprint(r.Method, r.URL.EscapedPath(), m.cfg.FingerprintQuery, r.URL.RawQuery, body)
+
+	m.run(w, r, next, scope, key, fp)
+}
+
+// run is the whole life of a keyed request, in one transaction:
+//
+//	BEGIN
+//	  claim: try the key's advisory lock, INSERT the key row   -- first statement
+//	    lock busy          -> 409 (another request holds the key right now)
+//	    committed row      -> ROLLBACK; same fingerprint: replay, else 422
+//	  handler(tx)           -- its writes, captured response
+//	  status not stored    -> ROLLBACK, pass the response through
+//	  UPDATE the key row with status, headers, body
+//	COMMIT
+//	write the response
+//
+// A crash anywhere before COMMIT rolls everything back (the key too), so the
+// retry runs afresh; a crash after COMMIT leaves a row whose replay is the
+// response the client missed.
+func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, scope, key string, fp []byte) {
+	ctx := r.Context()
+	tx, err := m.db.Begin(ctx)
+	if err != nil {
+		m.unavailable(w, r, "begin", err)
+		return
+	}
+	defer rollback(ctx, tx) // runs on panics too; a no-op after Commit
+
+	var held, claimed bool
+	err = tx.QueryRow(ctx, m.q.claim, scope, key, fp, m.ttl, lockKey(m.cfg.Schema, scope, key)).Scan(&held, &claimed)
+	switch {
+	case isBusy(err):
+		m.inProgress(w)
+		return
+	case err != nil:
+		m.unavailable(w, r, "claim key", err)
+		return
+	case !held:
+		m.inProgress(w)
+		return
+	case !claimed:
+		m.replayStored(w, r, tx, scope, key, fp)
+		return
+	}
+
+	rec := newRecorder(m.cfg.MaxResponseBytes)
+	hctx := context.WithValue(ctx, ctxKey{}, &request{tx: ownedTx{tx}, scope: scope, key: key})
+	next.ServeHTTP(rec, r.WithContext(hctx))
+	rec.finish()
+
+	switch {
+	case rec.err != nil:
+		rollback(ctx, tx)
+		m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: handler response not recorded", "err", rec.err, "limit", m.cfg.MaxResponseBytes)
+		problem(w, http.StatusInternalServerError, "the response could not be recorded; the request had no effect")
+		return
+	case !m.cfg.StoreStatus(rec.status):
+		rollback(ctx, tx)
+		rec.writeTo(w)
+		return
+	case tx.Conn().PgConn().TxStatus() == 'E':
+		// A statement of the handler failed and the handler answered
+		// anyway: nothing of the transaction can commit. A refusal
+		// (4xx) is passed through unrecorded; a success would be a lie.
+		rollback(ctx, tx)
+		if rec.status >= 400 {
+			rec.writeTo(w)
+			return
+		}
+		m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: handler answered success but its transaction failed", "status", rec.status)
+		problem(w, http.StatusInternalServerError, "the request's transaction failed; the request had no effect")
+		return
+	}
+
+	// Recording and committing run even if the client has gone away: the
+	// handler finished, and the client's retry will get the replay.
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.cfg.CommitTimeout)
+	defer cancel()
+	names, values := rec.selected(m.replay)
+	body := rec.body.Bytes()
+	if body == nil {
+		body = []byte{} // an empty body, not NULL
+	}
+	tag, err := tx.Exec(wctx, m.q.record, scope, key, rec.status, names, values, body)
+	if err == nil && tag.RowsAffected() != 1 {
+		err = errors.New("the key row is gone")
+	}
+	if err == nil {
+		err = tx.Commit(wctx)
+	}
+	if err != nil {
+		// Not committed, or (a connection lost during COMMIT) unknown:
+		// either way the retry gets a fresh run or the replay.
+		m.unavailable(w, r, "record response", err)
+		return
+	}
+	if h := m.hooks.afterCommit; h != nil && h(r) != nil {
+		panic(http.ErrAbortHandler) // the simulated crash: no response at all
+	}
+	rec.writeTo(w)
+}
+
+// replayStored answers a request whose key is held by a committed row.
+func (m *Middleware) replayStored(w http.ResponseWriter, r *http.Request, tx pgx.Tx, scope, key string, fp []byte) {
+	ctx := r.Context()
+	var (
+		storedFP      []byte
+		status        int
+		names, values []string
+		body          []byte
+	)
+	err := tx.QueryRow(ctx, m.q.load, scope, key).Scan(&storedFP, &status, &names, &values, &body)
+	rollback(ctx, tx) // release the key before writing to a possibly slow client
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		m.inProgress(w) // deleted by cleanup a moment ago: the retry runs afresh
+	case err != nil:
+		m.unavailable(w, r, "load response", err)
+	case !bytes.Equal(storedFP, fp):
+		problem(w, http.StatusUnprocessableEntity, "this "+m.cfg.Header+" was already used for a different request (method, path or body differ)")
+	case status == 0 || len(names) != len(values):
+		m.unavailable(w, r, "load response", fmt.Errorf("corrupt row: status %d, %d header names, %d values", status, len(names), len(values)))
+	default:
+		writeReplay(w, status, names, values, body)
+	}
+}
+
+func (m *Middleware) inProgress(w http.ResponseWriter) {
+	w.Header().Set("Retry-After", m.retryAfter)
+	problem(w, http.StatusConflict, "a request with this "+m.cfg.Header+" is being processed; retry later")
+}
+
+func (m *Middleware) unavailable(w http.ResponseWriter, r *http.Request, op string, err error) {
+	m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: database failure", "op", op, "err", err)
+	w.Header().Set("Retry-After", m.retryAfter)
+	problem(w, http.StatusServiceUnavailable, "the request was not completed; it is safe to retry")
+}
+
+// isBusy reports a lock that could not be taken at once: lock_not_available
+// (55P03, e.g. under a lock_timeout set for the role) or, under REPEATABLE
+// READ or SERIALIZABLE defaults, a serialization failure (40001) against a
+// concurrent request for the same key.
+func isBusy(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "55P03" || pgErr.Code == "40001")
+}
+
+func rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = tx.Rollback(ctx) // after a commit or a first rollback: ErrTxClosed
+}
+
+// validToken reports whether s is an RFC 9110 token (header names, methods).
+func validToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
+		case bytes.IndexByte([]byte("!#$%&'*+-.^_`|~"), c) >= 0:
+		default:
+			return false
+		}
+	}
+	return true
+}
