@@ -1,0 +1,287 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+	"unicode/utf8"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/dlq"
+)
+
+// refs collects repeated --ref flags.
+type refs []string
+
+func (r *refs) String() string     { return strings.Join(*r, ",") }
+func (r *refs) Set(v string) error { *r = append(*r, v); return nil }
+
+// dlqFlags are the flags shared by the dlq subcommands.
+type dlqFlags struct {
+	kafka        kafkaFlags
+	topic        string
+	source       string
+	group        string
+	class        string
+	messageID    string
+	since, until string
+	refs         refs
+}
+
+func (d *dlqFlags) register(fs *flag.FlagSet) {
+	d.kafka.register(fs)
+	fs.StringVar(&d.topic, "topic", "", "dead-letter topic to read (required), e.g. orders.dlq")
+	fs.StringVar(&d.source, "source-topic", "", "only records dead-lettered from this topic")
+	fs.StringVar(&d.group, "group", "", "only records dead-lettered by this consumer group")
+	fs.StringVar(&d.class, "class", "", "only this error class: undecodable, permanent, max_attempts, panic, oversized")
+	fs.StringVar(&d.messageID, "message-id", "", "only this dedup id")
+	fs.StringVar(&d.since, "since", "", "only last failures at or after this time (RFC 3339, or a duration ago such as 24h)")
+	fs.StringVar(&d.until, "until", "", "only last failures before this time (RFC 3339, or a duration ago)")
+	fs.Var(&d.refs, "ref", "only this dead-letter record, as partition/offset (repeatable)")
+}
+
+func parseWhen(flagName, v string, now time.Time) (time.Time, error) {
+	if v == "" {
+		return time.Time{}, nil
+	}
+	if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
+		return t, nil
+	}
+	if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+		return now.Add(-d), nil
+	}
+	return time.Time{}, usageErr("%s: %q is neither an RFC 3339 time nor a non-negative duration", flagName, v)
+}
+
+func (d *dlqFlags) filter() (dlq.Filter, error) {
+	f := dlq.Filter{SourceTopic: d.source, Group: d.group, Class: dlq.Class(d.class), MessageID: d.messageID, Refs: d.refs}
+	if d.topic == "" {
+		return f, usageErr("--topic: the dead-letter topic is required")
+	}
+	if d.class != "" && !f.Class.Valid() {
+		return f, usageErr("--class: unknown class %q", d.class)
+	}
+	for _, r := range d.refs {
+		var p int32
+		var o int64
+		if n, err := fmt.Sscanf(r, "%d/%d", &p, &o); err != nil || n != 2 || p < 0 || o < 0 || fmt.Sprintf("%d/%d", p, o) != r {
+			return f, usageErr("--ref: %q is not partition/offset", r)
+		}
+	}
+	now := time.Now()
+	var err error
+	if f.Since, err = parseWhen("--since", d.since, now); err != nil {
+		return f, err
+	}
+	if f.Until, err = parseWhen("--until", d.until, now); err != nil {
+		return f, err
+	}
+	return f, nil
+}
+
+func (d *dlqFlags) selective() bool {
+	return d.source != "" || d.group != "" || d.class != "" || d.messageID != "" || d.since != "" || d.until != "" || len(d.refs) > 0
+}
+
+// list reads the matching entries, with Kafka errors phrased for operators.
+func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) ([]dlq.Entry, []kgo.Opt, error) {
+	opts, err := d.kafka.opts()
+	if err != nil {
+		return nil, nil, usageErr("%v", err)
+	}
+	lctx, cancel := context.WithTimeout(ctx, d.kafka.timeout)
+	defer cancel()
+	entries, err := dlq.List(lctx, opts, d.topic, f)
+	if err != nil {
+		return nil, nil, fmt.Errorf("cannot read %s from Kafka at %s (timeout %s): %w", d.topic, d.kafka.brokers, d.kafka.timeout, err)
+	}
+	return entries, opts, nil
+}
+
+func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("dlq "+sub, flag.ContinueOnError)
+	var d dlqFlags
+	d.register(fs)
+	switch sub {
+	case "list":
+		asJSON := fs.Bool("json", false, "print one JSON object per record")
+		if err := parse(fs, args, stderr); err != nil {
+			return err
+		}
+		f, err := d.filter()
+		if err != nil {
+			return err
+		}
+		entries, _, err := d.list(ctx, f)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			return printJSON(stdout, entries)
+		}
+		return printTable(stdout, entries)
+	case "show":
+		if err := parse(fs, args, stderr); err != nil {
+			return err
+		}
+		d.refs = append(d.refs, fs.Args()...)
+		if len(d.refs) == 0 {
+			return usageErr("dlq show: name at least one record as partition/offset")
+		}
+		f, err := d.filter()
+		if err != nil {
+			return err
+		}
+		entries, _, err := d.list(ctx, f)
+		if err != nil {
+			return err
+		}
+		if len(entries) == 0 {
+			return fmt.Errorf("dlq show: no record %s in %s", strings.Join(d.refs, ", "), d.topic)
+		}
+		for i := range entries {
+			show(stdout, &entries[i])
+		}
+		return nil
+	case "redrive":
+		var db dbFlags
+		fs.StringVar(&db.url, "database-url", "", "Postgres of the consumers; when set, records whose id the inbox holds as processed are skipped")
+		fs.StringVar(&db.schema, "schema", "oncely", "schema of oncely's tables")
+		toTopic := fs.String("to-topic", "", "produce to this topic instead of each record's source topic")
+		dryRun := fs.Bool("dry-run", false, "print what would be redriven, produce nothing")
+		all := fs.Bool("all", false, "redrive every record in the topic (required when no filter or --ref is given)")
+		if err := parse(fs, args, stderr); err != nil {
+			return err
+		}
+		f, err := d.filter()
+		if err != nil {
+			return err
+		}
+		if !d.selective() && !*all {
+			return usageErr("dlq redrive: select records with --ref or a filter, or pass --all")
+		}
+		opts := dlq.RedriveOptions{ToTopic: *toTopic, DryRun: *dryRun}
+		if db.url != "" {
+			pool, err := db.connect(ctx, d.kafka.timeout)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			inbox, err := dedup.New(dedup.Config{Schema: db.schema})
+			if err != nil {
+				return usageErr("--schema: %v", err)
+			}
+			opts.Inbox, opts.DB = inbox, pool
+		}
+		entries, kopts, err := d.list(ctx, f)
+		if err != nil {
+			return err
+		}
+		producer, err := kgo.NewClient(append(kopts, kgo.RecordDeliveryTimeout(d.kafka.timeout))...)
+		if err != nil {
+			return err
+		}
+		defer producer.Close()
+		results, err := dlq.Redrive(ctx, producer, entries, opts)
+		counts := map[dlq.Action]int{}
+		for _, r := range results {
+			counts[r.Action]++
+			switch r.Action {
+			case dlq.Redriven:
+				fmt.Fprintf(stdout, "%s\t%s -> %s/%d/%d\n", r.Action, r.Entry.Ref(), r.Topic, r.Partition, r.Offset)
+			case dlq.WouldRedrive:
+				fmt.Fprintf(stdout, "%s\t%s -> %s (message id %s)\n", r.Action, r.Entry.Ref(), r.Topic, r.Entry.Info.MessageID)
+			default:
+				fmt.Fprintf(stdout, "%s\t%s\n", r.Action, r.Entry.Ref())
+			}
+		}
+		fmt.Fprintf(stdout, "%d selected: %d redriven, %d would be redriven, %d skipped (processed), %d skipped (invalid)\n",
+			len(entries), counts[dlq.Redriven], counts[dlq.WouldRedrive], counts[dlq.SkipProcessed], counts[dlq.SkipNotDecoded])
+		return err
+	}
+	return usageErr("dlq: unknown subcommand %q (want list, show or redrive)", sub)
+}
+
+func printTable(w io.Writer, entries []dlq.Entry) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "REF\tSOURCE\tGROUP\tMESSAGE-ID\tCLASS\tATTEMPTS\tLAST-FAILURE\tCOPIES\tERROR")
+	for i := range entries {
+		e := &entries[i]
+		ref := fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset)
+		if e.Info == nil {
+			fmt.Fprintf(tw, "%s\t-\t-\t-\tinvalid\t-\t-\t-\t%s\n", ref, clip(e.Err.Error(), 60))
+			continue
+		}
+		i := e.Info
+		fmt.Fprintf(tw, "%s\t%s/%d/%d\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", ref, i.Topic, i.Partition, i.Offset, i.Group,
+			i.MessageID, i.Class, i.Attempts, i.LastFailure.UTC().Format(time.RFC3339), e.Copies, clip(i.Error, 60))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintf(w, "%d records\n", len(entries))
+	return err
+}
+
+func clip(s string, n int) string {
+	s = strings.ReplaceAll(s, "\n", " ")
+	if len(s) <= n {
+		return s
+	}
+	return dlq.Truncate(s, n-3) + "..."
+}
+
+type jsonEntry struct {
+	Ref     string            `json:"ref"`
+	Copies  int               `json:"copies"`
+	Info    *dlq.Info         `json:"info,omitempty"`
+	Invalid string            `json:"invalid,omitempty"`
+	Key     string            `json:"key"`
+	Value   string            `json:"value"`
+	Headers map[string]string `json:"headers"`
+}
+
+func printJSON(w io.Writer, entries []dlq.Entry) error {
+	enc := json.NewEncoder(w)
+	for i := range entries {
+		e := &entries[i]
+		je := jsonEntry{Ref: fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset), Copies: e.Copies, Info: e.Info,
+			Key: printable(e.Record.Key), Value: printable(e.Record.Value), Headers: map[string]string{}}
+		if e.Err != nil {
+			je.Invalid = e.Err.Error()
+		}
+		for _, h := range e.Record.Headers {
+			je.Headers[h.Key] = printable(h.Value)
+		}
+		if err := enc.Encode(je); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// printable returns b as text, or a hex dump marker for binary data.
+func printable(b []byte) string {
+	if utf8.Valid(b) {
+		return string(b)
+	}
+	return fmt.Sprintf("(binary, %d bytes) %x", len(b), b)
+}
+
+func show(w io.Writer, e *dlq.Entry) {
+	fmt.Fprintf(w, "record %s (copies: %d)\n", e.Ref(), e.Copies)
+	if e.Err != nil {
+		fmt.Fprintf(w, "  invalid: %v\n", e.Err)
+	}
+	fmt.Fprintf(w, "  key:   %s\n  value: %s\n  headers:\n", printable(e.Record.Key), printable(e.Record.Value))
+	for _, h := range e.Record.Headers {
+		fmt.Fprintf(w, "    %s: %s\n", h.Key, printable(h.Value))
+	}
+}

@@ -1,0 +1,98 @@
+// Command oncely is the operator CLI: schema migrations, dead-letter
+// inspection and redrive, the outbox backlog, and outbound webhook
+// deliveries.
+//
+//	oncely migrate up|down|status   [--database-url URL] [--schema oncely] [--to N]
+//	oncely dlq list    --topic T [filters] [--json]
+//	oncely dlq show    --topic T REF...
+//	oncely dlq redrive --topic T [filters] [--ref P/O]... [--to-topic X] [--dry-run] [--database-url URL]
+//	oncely outbox status [--database-url URL] [--schema oncely]
+//	oncely webhooks redrive (--subscription ID | --all-subscriptions) [--since T] [--until T] [--dry-run]
+//	oncely webhooks status|pause|resume ...
+//
+// Kafka commands take --brokers (or KAFKA_BROKERS), TLS (--tls, --tls-ca,
+// --tls-cert, --tls-key) and SASL (--sasl-mechanism, --sasl-user,
+// --sasl-password) flags. Exit status: 0 ok, 1 failure, 2 bad usage.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// errUsage marks errors in how the command was called (exit status 2).
+var errUsage = errors.New("usage")
+
+func usageErr(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", errUsage, fmt.Sprintf(format, args...))
+}
+
+const usage = `usage:
+  oncely migrate up|down|status [flags]
+  oncely dlq list|show|redrive [flags]
+  oncely outbox status [flags]
+  oncely webhooks redrive|status|pause|resume [flags]
+Run "oncely <command> <subcommand> -h" for the flags.
+`
+
+// run executes one command line and returns the exit status.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	err := dispatch(ctx, args, stdout, stderr)
+	switch {
+	case err == nil:
+		return 0
+	case errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.Is(err, errUsage):
+		fmt.Fprintf(stderr, "oncely: %v\n", err)
+		return 2
+	default:
+		fmt.Fprintf(stderr, "oncely: %v\n", err)
+		return 1
+	}
+}
+
+func dispatch(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) < 2 {
+		fmt.Fprint(stderr, usage)
+		return usageErr("missing command")
+	}
+	cmd, sub, rest := args[0], args[1], args[2:]
+	switch cmd {
+	case "migrate":
+		return migrateCmd(ctx, sub, rest, stdout, stderr)
+	case "dlq":
+		return dlqCmd(ctx, sub, rest, stdout, stderr)
+	case "outbox":
+		return outboxCmd(ctx, sub, rest, stdout, stderr)
+	case "webhooks":
+		return webhooksCmd(ctx, sub, rest, stdout, stderr)
+	}
+	fmt.Fprint(stderr, usage)
+	return usageErr("unknown command %q", cmd)
+}
+
+// parse parses flags, turning flag errors into usage errors.
+func parse(fs *flag.FlagSet, args []string, stderr io.Writer) error {
+	fs.SetOutput(stderr)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageErr("%s: %v", fs.Name(), err)
+	}
+	return nil
+}

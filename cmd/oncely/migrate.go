@@ -1,0 +1,110 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncely/oncely/migrations"
+)
+
+// dbFlags are the flags of commands that talk to Postgres.
+type dbFlags struct {
+	url, schema string
+}
+
+func (d *dbFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&d.url, "database-url", os.Getenv("DATABASE_URL"), "Postgres connection string (env DATABASE_URL)")
+	fs.StringVar(&d.schema, "schema", "oncely", "schema of oncely's tables")
+}
+
+func (d *dbFlags) connect(ctx context.Context, timeout time.Duration) (*pgxpool.Pool, error) {
+	if d.url == "" {
+		return nil, usageErr("--database-url: required (or set DATABASE_URL)")
+	}
+	cfg, err := pgxpool.ParseConfig(d.url)
+	if err != nil {
+		return nil, usageErr("--database-url: %v", err)
+	}
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to Postgres: %w", err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("cannot reach Postgres at %s:%d within %s: %w", cfg.ConnConfig.Host, cfg.ConnConfig.Port, timeout, err)
+	}
+	return pool, nil
+}
+
+func migrateCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("migrate "+sub, flag.ContinueOnError)
+	var db dbFlags
+	db.register(fs)
+	to := fs.Int("to", 0, "down: revert every migration above this version (0: all)")
+	timeout := fs.Duration("timeout", 15*time.Second, "how long to wait for Postgres")
+	if err := parse(fs, args, stderr); err != nil {
+		return err
+	}
+	if sub != "up" && sub != "down" && sub != "status" {
+		return usageErr("migrate: unknown subcommand %q (want up, down or status)", sub)
+	}
+	if *to < 0 {
+		return usageErr("--to: must not be negative")
+	}
+	pool, err := db.connect(ctx, *timeout)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	m, err := migrations.New(pool, migrations.Config{Schema: db.schema})
+	if err != nil {
+		return usageErr("--schema: %v", err)
+	}
+	switch sub {
+	case "up":
+		done, err := m.Up(ctx)
+		if err != nil {
+			return err
+		}
+		if len(done) == 0 {
+			fmt.Fprintf(stdout, "schema %s is up to date\n", db.schema)
+		}
+		for _, mig := range done {
+			fmt.Fprintf(stdout, "applied %04d_%s\n", mig.Version, mig.Name)
+		}
+	case "down":
+		done, err := m.Down(ctx, *to)
+		if err != nil {
+			return err
+		}
+		for _, mig := range done {
+			fmt.Fprintf(stdout, "reverted %04d_%s\n", mig.Version, mig.Name)
+		}
+	case "status":
+		st, err := m.Status(ctx)
+		if err != nil {
+			return err
+		}
+		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "VERSION\tNAME\tAPPLIED")
+		for _, s := range st {
+			applied := "no"
+			if s.Applied {
+				applied = s.AppliedAt.UTC().Format(time.RFC3339)
+			}
+			fmt.Fprintf(tw, "%04d\t%s\t%s\n", s.Version, s.Name, applied)
+		}
+		return tw.Flush()
+	}
+	return nil
+}

@@ -1,0 +1,370 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/consumer"
+)
+
+// report is what the demo prints, and what the tests assert: every order
+// produced has exactly one effect, whatever Kafka delivered and whichever
+// worker died.
+type report struct {
+	Delivered        int   // records produced: orders plus duplicate deliveries
+	DuplicatesSent   int   // of which second deliveries of an order
+	Crashes          int   // workers killed with SIGKILL
+	UniqueOrders     int   // orders produced
+	Effects          int64 // rows in orders
+	InboxRows        int64 // the group's inbox rows (one per message id processed)
+	DuplicateEffects int64 // order ids with more than one row: must be 0
+	MissingEffects   int64 // orders produced without a row: must be 0
+	Customers        int   // customers with a balance to check
+	BalanceErrors    int   // customers whose balance is not the sum of their orders: must be 0
+	Absorbed         int64 // deliveries the inbox skipped, from the last worker's log (-1: unknown)
+	LastExit         int   // exit status of the last worker: 0 after a clean SIGTERM
+
+	// The order.accepted events, read back from Kafka (checkEvents).
+	EventsTopic     string // "": not checked
+	EventRecords    int    // order.accepted records on the topic, republishes included
+	EventIDs        int    // distinct message ids among them: must equal UniqueOrders
+	EventOrders     int    // distinct order ids among them: must equal UniqueOrders
+	Republished     int    // records whose message id came before: a relay's republish, deduped downstream
+	DuplicateEvents int    // orders announced under more than one message id: must be 0
+	MissingEvents   int    // orders produced without an event: must be 0
+	InvalidEvents   int    // records that are not a well-formed event of a produced order: must be 0
+}
+
+// ok reports whether every order counted exactly once, and, when the events
+// were checked, was announced exactly once.
+func (r *report) ok() bool {
+	return r.DuplicateEffects == 0 && r.MissingEffects == 0 && r.BalanceErrors == 0 &&
+		r.Effects == int64(r.UniqueOrders) && r.LastExit == 0 && r.eventsOK()
+}
+
+// eventsOK reports whether every order has exactly one event (by message
+// id) on the events topic; true when the events were not checked.
+func (r *report) eventsOK() bool {
+	return r.EventsTopic == "" || (r.DuplicateEvents == 0 && r.MissingEvents == 0 && r.InvalidEvents == 0 &&
+		r.EventIDs == r.UniqueOrders && r.EventOrders == r.UniqueOrders)
+}
+
+// print writes the report as a table, the demo's output.
+func (r *report) print(w io.Writer) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	mustBe0 := func(n int64) string {
+		if n == 0 {
+			return "0\tok"
+		}
+		return fmt.Sprintf("%d\tFAIL: must be 0", n)
+	}
+	printf(tw, "records delivered to Kafka\t%d\t(%d orders + %d duplicate deliveries)\n", r.Delivered, r.UniqueOrders, r.DuplicatesSent)
+	printf(tw, "worker crashes (SIGKILL)\t%d\t\n", r.Crashes)
+	printf(tw, "unique orders\t%d\t\n", r.UniqueOrders)
+	printf(tw, "effects (rows in orders)\t%d\t\n", r.Effects)
+	printf(tw, "inbox rows\t%d\t\n", r.InboxRows)
+	if r.Absorbed >= 0 {
+		printf(tw, "deliveries skipped by the inbox (last worker)\t%d\t(duplicates and redeliveries after the crash)\n", r.Absorbed)
+	}
+	printf(tw, "duplicate effects\t%s\n", mustBe0(r.DuplicateEffects))
+	printf(tw, "missing effects\t%s\n", mustBe0(r.MissingEffects))
+	if r.BalanceErrors == 0 {
+		printf(tw, "balances match\tyes\t(%d customers)\n", r.Customers)
+	} else {
+		printf(tw, "balances match\tNO\tFAIL: %d of %d customers differ\n", r.BalanceErrors, r.Customers)
+	}
+	if r.EventsTopic != "" {
+		printf(tw, "order.accepted events on %s\t%d\t(%d distinct message ids + %d republished by a relay)\n",
+			r.EventsTopic, r.EventRecords, r.EventIDs, r.Republished)
+		if r.EventOrders == r.UniqueOrders {
+			printf(tw, "orders with an event\t%d\tok\n", r.EventOrders)
+		} else {
+			printf(tw, "orders with an event\t%d\tFAIL: must be %d\n", r.EventOrders, r.UniqueOrders)
+		}
+		printf(tw, "duplicate events\t%s\n", mustBe0(int64(r.DuplicateEvents)))
+		printf(tw, "missing events\t%s\n", mustBe0(int64(r.MissingEvents)))
+		if r.InvalidEvents != 0 {
+			printf(tw, "invalid events\t%s\n", mustBe0(int64(r.InvalidEvents)))
+		}
+	}
+	printf(tw, "last worker exit status\t%d\t\n", r.LastExit)
+	_ = tw.Flush()
+}
+
+// effectQueries are the demo's and the tests' read-only checks, qualified
+// with the schema like the worker's statements.
+type effectQueries struct {
+	count, countDistinct, duplicates, missing, inbox, balances, pending string
+}
+
+func newEffectQueries(schema string) effectQueries {
+	orders := pgx.Identifier{schema, "orders"}.Sanitize()
+	return effectQueries{
+		count:         `SELECT count(*) FROM ` + orders,
+		countDistinct: `SELECT count(DISTINCT order_id) FROM ` + orders,
+		duplicates:    `SELECT count(*) FROM (SELECT order_id FROM ` + orders + ` GROUP BY order_id HAVING count(*) > 1) d`,
+		missing: `SELECT count(*) FROM unnest($1::text[]) AS p(order_id)
+			WHERE NOT EXISTS (SELECT 1 FROM ` + orders + ` o WHERE o.order_id = p.order_id)`,
+		inbox:    `SELECT count(*) FROM ` + pgx.Identifier{schema, "inbox"}.Sanitize() + ` WHERE consumer_group = $1`,
+		balances: `SELECT customer_id, balance_cents FROM ` + pgx.Identifier{schema, "customer_balances"}.Sanitize(),
+		pending:  `SELECT count(*) FROM ` + pgx.Identifier{schema, "outbox"}.Sanitize() + ` WHERE sent_at IS NULL`,
+	}
+}
+
+func queryInt(ctx context.Context, pool *pgxpool.Pool, sql string, args ...any) (int64, error) {
+	var n int64
+	err := pool.QueryRow(ctx, sql, args...).Scan(&n)
+	return n, err
+}
+
+// checkEffects compares the database with what was produced.
+func checkEffects(ctx context.Context, pool *pgxpool.Pool, schema, group string, b orderBatch) (*report, error) {
+	q := newEffectQueries(schema)
+	r := &report{
+		Delivered: len(b.Deliveries), DuplicatesSent: b.Duplicates, UniqueOrders: len(b.Orders), Absorbed: -1,
+	}
+	ids := make([]string, len(b.Orders))
+	for i, o := range b.Orders {
+		ids[i] = o.OrderID
+	}
+	var err error
+	if r.Effects, err = queryInt(ctx, pool, q.count); err != nil {
+		return nil, fmt.Errorf("count effects: %w", err)
+	}
+	if r.DuplicateEffects, err = queryInt(ctx, pool, q.duplicates); err != nil {
+		return nil, fmt.Errorf("count duplicate effects: %w", err)
+	}
+	if r.MissingEffects, err = queryInt(ctx, pool, q.missing, ids); err != nil {
+		return nil, fmt.Errorf("count missing effects: %w", err)
+	}
+	if r.InboxRows, err = queryInt(ctx, pool, q.inbox, group); err != nil {
+		return nil, fmt.Errorf("count inbox rows: %w", err)
+	}
+	actual := make(map[string]int64)
+	var customer string
+	var cents int64
+	rows, _ := pool.Query(ctx, q.balances) // an error surfaces from ForEachRow
+	if _, err := pgx.ForEachRow(rows, []any{&customer, &cents}, func() error {
+		actual[customer] = cents
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("read balances: %w", err)
+	}
+	want := b.balances()
+	r.Customers = len(want)
+	for c, cents := range want {
+		if actual[c] != cents {
+			r.BalanceErrors++
+		}
+	}
+	for c := range actual {
+		if _, ok := want[c]; !ok {
+			r.BalanceErrors++ // a balance for a customer nobody ordered for
+		}
+	}
+	return r, nil
+}
+
+// checkEvents reads the events topic back from Kafka and fills in r's event
+// figures. Each order must have exactly one order.accepted event, told
+// apart by its message id: a relay that died after producing and before
+// marking its rows sent republishes them with the same ids (a downstream
+// inbox dedups those), but a second message id for one order would be a
+// second event, which the inbox upstream is there to prevent.
+func checkEvents(ctx context.Context, brokers []string, topic string, b orderBatch, r *report) error {
+	recs, err := readTopic(ctx, brokers, topic)
+	if err != nil {
+		return fmt.Errorf("read events: %w", err)
+	}
+	produced := make(map[string]Order, len(b.Orders))
+	for _, o := range b.Orders {
+		produced[o.OrderID] = o
+	}
+	orderOf := make(map[string]string)       // message id -> order id
+	idsOf := make(map[string]map[string]int) // order id -> message ids
+	r.EventsTopic = topic
+	for _, rec := range recs {
+		var ev OrderAccepted
+		id := header(rec, consumer.DefaultMessageIDHeader)
+		dec := json.NewDecoder(bytes.NewReader(rec.Value))
+		dec.DisallowUnknownFields()
+		if header(rec, eventTypeHeader) != orderAcceptedType || id == "" || dec.Decode(&ev) != nil ||
+			string(rec.Key) != ev.OrderID || Order(ev) != produced[ev.OrderID] {
+			r.InvalidEvents++
+			continue
+		}
+		r.EventRecords++
+		if prev, seen := orderOf[id]; seen {
+			r.Republished++
+			if prev != ev.OrderID {
+				r.InvalidEvents++ // one message id, two orders
+			}
+			continue
+		}
+		orderOf[id] = ev.OrderID
+		if idsOf[ev.OrderID] == nil {
+			idsOf[ev.OrderID] = make(map[string]int)
+		}
+		idsOf[ev.OrderID][id]++
+	}
+	r.EventIDs, r.EventOrders = len(orderOf), len(idsOf)
+	for _, ids := range idsOf {
+		if len(ids) > 1 {
+			r.DuplicateEvents++
+		}
+	}
+	for id := range produced {
+		if idsOf[id] == nil {
+			r.MissingEvents++
+		}
+	}
+	return nil
+}
+
+func header(rec *kgo.Record, key string) string {
+	for _, h := range rec.Headers {
+		if h.Key == key {
+			return string(h.Value)
+		}
+	}
+	return ""
+}
+
+// readTopic returns every record of topic from the start of each partition
+// to its end at the time of the call.
+func readTopic(ctx context.Context, brokers []string, topic string) ([]*kgo.Record, error) {
+	admin, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
+	if err != nil {
+		return nil, err
+	}
+	defer admin.Close()
+	adm := kadm.NewClient(admin)
+	starts, err := adm.ListStartOffsets(ctx, topic)
+	if err == nil {
+		err = starts.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list start offsets of %s: %w", topic, err)
+	}
+	ends, err := adm.ListEndOffsets(ctx, topic)
+	if err == nil {
+		err = ends.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list end offsets of %s: %w", topic, err)
+	}
+	from := map[int32]kgo.Offset{}
+	remaining := map[int32]int64{} // partition -> end offset still to reach
+	starts.Each(func(o kadm.ListedOffset) {
+		if end, ok := ends.Lookup(topic, o.Partition); ok && end.Offset > o.Offset {
+			from[o.Partition] = kgo.NewOffset().At(o.Offset)
+			remaining[o.Partition] = end.Offset
+		}
+	})
+	if len(remaining) == 0 {
+		return nil, nil
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}))
+	if err != nil {
+		return nil, err
+	}
+	defer cl.Close()
+	var recs []*kgo.Record
+	for len(remaining) > 0 {
+		fetches := cl.PollFetches(ctx)
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("read %s: %w", topic, err)
+		}
+		if err := fetches.Err(); err != nil {
+			return nil, fmt.Errorf("read %s: %w", topic, err)
+		}
+		fetches.EachRecord(func(rec *kgo.Record) {
+			end, ok := remaining[rec.Partition]
+			if !ok || rec.Offset >= end {
+				return
+			}
+			recs = append(recs, rec)
+			if rec.Offset+1 >= end {
+				delete(remaining, rec.Partition)
+			}
+		})
+	}
+	return recs, nil
+}
+
+// offsetsCaughtUp reports whether the group's committed offsets reached the
+// end of every partition of topic: nothing is left to redeliver.
+func offsetsCaughtUp(ctx context.Context, adm *kadm.Client, group, topic string) (bool, error) {
+	ends, err := adm.ListEndOffsets(ctx, topic)
+	if err == nil {
+		err = ends.Error()
+	}
+	if err != nil {
+		return false, fmt.Errorf("list end offsets: %w", err)
+	}
+	committed, err := adm.FetchOffsetsForTopics(ctx, group, topic)
+	if err == nil {
+		err = committed.Error()
+	}
+	if err != nil {
+		return false, fmt.Errorf("fetch committed offsets: %w", err)
+	}
+	caughtUp := true
+	ends.Each(func(end kadm.ListedOffset) {
+		c, ok := committed.Lookup(topic, end.Partition)
+		if end.Offset > 0 && (!ok || c.At < end.Offset) {
+			caughtUp = false
+		}
+	})
+	return caughtUp, nil
+}
+
+// poll calls cond every interval until it returns true, and fails with what
+// on timeout. An error from cond is retried (the tables may not exist yet)
+// unless it is marked with giveUp. Tests and the demo synchronize with poll,
+// never with sleeps.
+func poll(ctx context.Context, timeout, interval time.Duration, what string, cond func(context.Context) (bool, error)) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	var lastErr error
+	for {
+		done, err := cond(ctx)
+		switch {
+		case err == nil && done:
+			return nil
+		case errors.As(err, new(giveUpError)):
+			return fmt.Errorf("waiting for %s: %w", what, err)
+		case err != nil:
+			lastErr = err
+		}
+		select {
+		case <-ctx.Done():
+			if lastErr != nil {
+				return fmt.Errorf("waiting for %s: %w (last error: %w)", what, ctx.Err(), lastErr)
+			}
+			return fmt.Errorf("waiting for %s: %w", what, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+type giveUpError struct{ error }
+
+func (e giveUpError) Unwrap() error { return e.error }
+
+// giveUp marks an error that poll must not wait out, such as a worker that
+// exited.
+func giveUp(err error) error { return giveUpError{err} }

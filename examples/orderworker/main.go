@@ -1,0 +1,345 @@
+// Command orderworker is oncely's runnable example: a Kafka consumer that
+// records orders and credits customer balances, exactly once per order,
+// although Kafka delivers at least once and workers crash, and announces
+// each order with exactly one order.accepted event through oncely's outbox.
+//
+// Usage:
+//
+//	orderworker [run] [flags]   consume the orders topic (the worker)
+//	orderworker demo [flags]    crash a worker mid-stream and prove no order counted twice
+//	orderworker produce [flags] publish random orders, some of them twice
+//
+// The demo needs nothing but a Postgres (DATABASE_URL, default the local
+// server); Kafka runs in-process:
+//
+//	go run ./examples/orderworker demo
+//
+// Every record on the orders topic is a JSON order with a message-id header.
+// The handler inserts a row into orders, adds the amount to the customer's
+// balance and enqueues an order.accepted event (key: the order id) for the
+// events topic (--events-topic, default order-events), all in one
+// transaction. Neither write is idempotent; oncely's inbox, claimed in the
+// same transaction, is what makes a redelivered or republished order a
+// no-op. An outbox relay running next to the consumer publishes the events
+// once the transaction committed. A record that is not a valid order (not
+// JSON, a field missing, an amount that is not positive) goes to the
+// dead-letter topic orders.dlq at once, and the orders behind it keep
+// flowing.
+//
+// Orders also arrive over HTTP, on the worker's --http-addr, and reach the
+// same consumer through the outbox and the orders topic:
+//
+//	POST /webhooks/orders  a Standard Webhooks delivery whose body is the
+//	                       order; secret(s) in WEBHOOK_SECRET (whsec_...,
+//	                       comma-separated while rotating); 202 once stored,
+//	                       503 while no secret is configured
+//	POST /orders           the order as JSON, with an Idempotency-Key header
+//	                       (400 without); 202 once stored, and every retry
+//	                       with the key gets the same response back
+//
+// The worker serves GET /healthz and GET /metrics (Prometheus text format)
+// on --http-addr too, exports spans and metrics over OTLP/HTTP when
+// OTEL_EXPORTER_OTLP_ENDPOINT (or its _TRACES_ or _METRICS_ variant) is set,
+// configured by the standard OTEL_* variables, and writes spans to stdout
+// with --trace-stdout. Run `orderworker run -h` for the worker's flags and
+// their environment variables.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"regexp"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/webhook"
+)
+
+// Exit codes.
+const (
+	exitOK    = 0 // clean shutdown, or a demo whose checks passed
+	exitError = 1 // the consumer (or the demo's checks) failed
+	exitUsage = 2 // invalid command line or environment
+)
+
+const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Getenv, os.Stdout, os.Stderr))
+}
+
+// run dispatches to a subcommand and returns the process's exit code.
+func run(args []string, getenv func(string) string, stdout, stderr io.Writer) int {
+	cmd := "run"
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		cmd, args = args[0], args[1:]
+	}
+	switch cmd {
+	case "run":
+		return runCmd(args, getenv, stdout, stderr)
+	case "demo":
+		return demoCmd(args, getenv, stdout, stderr)
+	case "produce":
+		return produceCmd(args, getenv, stdout, stderr)
+	case "help":
+		printf(stdout, "usage: orderworker [run|demo|produce] [flags]; `orderworker CMD -h` lists a command's flags\n")
+		return exitOK
+	default:
+		printf(stderr, "orderworker: unknown command %q (want run, demo or produce)\n", cmd)
+		return exitUsage
+	}
+}
+
+// runCmd is the worker: it consumes until SIGTERM or SIGINT, then drains,
+// commits its offsets, leaves the group, lets the relay publish the last
+// events and flushes its telemetry.
+func runCmd(args []string, getenv func(string) string, stdout, stderr io.Writer) int {
+	cfg, err := parseRunFlags(args, getenv, stderr)
+	if err != nil {
+		return usageExit(stderr, err)
+	}
+	log := slog.New(slog.NewTextHandler(stderr, nil))
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	go func() {
+		// After the first signal, restore the default behaviour: a second
+		// Ctrl-C kills the process instead of waiting for the drain.
+		<-ctx.Done()
+		stop()
+	}()
+
+	if err := runWorker(ctx, cfg, stdout, log); err != nil {
+		log.Error("orderworker failed", "err", err)
+		return exitError
+	}
+	return exitOK
+}
+
+// parseRunFlags parses the worker's flags. Each flag falls back to an
+// environment variable, then to a default; flags win.
+func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) (cfg workerConfig, err error) {
+	fs := flag.NewFlagSet("orderworker run", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); empty: start an in-process kfake cluster")
+	fs.StringVar(&cfg.Topic, "topic", "orders", "topic to consume; POST /orders and POST /webhooks/orders publish to it, through the outbox")
+	fs.StringVar(&cfg.EventsTopic, "events-topic", envOr(getenv, "EVENTS_TOPIC", "order-events"), "topic of the order.accepted events, published through the outbox (env EVENTS_TOPIC)")
+	// The environment is read after parsing: a default taken from it would
+	// be printed, password included, by -h.
+	fs.StringVar(&cfg.DatabaseURL, "database-url", "", "Postgres URL (env DATABASE_URL; default "+defaultDatabaseURL+")")
+	fs.StringVar(&cfg.Group, "group", envOr(getenv, "CONSUMER_GROUP", "orderworker"), "consumer group, also the dedup scope (env CONSUMER_GROUP)")
+	fs.StringVar(&cfg.HTTPAddr, "http-addr", envOr(getenv, "HTTP_ADDR", "127.0.0.1:8080"), "address of GET /healthz, GET /metrics, POST /orders and POST /webhooks/orders; port 0 picks one (env HTTP_ADDR)")
+	session := fs.String("session-timeout", envOr(getenv, "SESSION_TIMEOUT", "10s"), "group session timeout, a Go duration (env SESSION_TIMEOUT)")
+	fs.StringVar(&cfg.InstanceID, "instance-id", getenv("INSTANCE_ID"), "static group membership id, unique per live instance (env INSTANCE_ID)")
+	fs.StringVar(&cfg.Schema, "schema", envOr(getenv, "ONCELY_SCHEMA", "orderworker"), "schema of oncely's and the example's tables (env ONCELY_SCHEMA)")
+	fs.BoolVar(&cfg.TraceStdout, "trace-stdout", false, "write spans to stdout, one JSON object a line; OTLP export is set with the standard OTEL_EXPORTER_OTLP_* variables")
+	// No default from the environment here: flag's usage text would print
+	// it. WEBHOOK_SECRET is read below unless the flag was given.
+	secrets := fs.String("webhook-secret", "", "Standard Webhooks secret(s) of POST /webhooks/orders, whsec_<base64>, comma-separated while rotating (env WEBHOOK_SECRET, better: a command line is visible to every user of the machine); empty: the route answers 503")
+	if err := parse(fs, args); err != nil {
+		return cfg, err
+	}
+	if !flagSet(fs, "webhook-secret") {
+		*secrets = getenv("WEBHOOK_SECRET")
+	}
+	if !flagSet(fs, "database-url") {
+		cfg.DatabaseURL = envOr(getenv, "DATABASE_URL", defaultDatabaseURL)
+	}
+	if cfg.WebhookSecrets, err = parseSecrets(*secrets); err != nil {
+		return cfg, invalidFlag("--webhook-secret (WEBHOOK_SECRET)", err)
+	}
+	if cfg.testHalt, err = parseTestHalt(getenv(testHaltEnv)); err != nil {
+		return cfg, invalidFlag(testHaltEnv, err)
+	}
+	if cfg.OTLPTraces, cfg.OTLPMetrics, err = otlpExport(getenv); err != nil {
+		return cfg, err
+	}
+
+	if cfg.Brokers, err = parseBrokers(*brokers); err != nil {
+		return cfg, invalidFlag("--brokers (KAFKA_BROKERS)", err)
+	}
+	if cfg.SessionTimeout, err = time.ParseDuration(*session); err != nil || cfg.SessionTimeout <= 0 {
+		return cfg, invalidFlag("--session-timeout (SESSION_TIMEOUT)", fmt.Errorf("want a positive Go duration such as 10s, got %q", *session))
+	}
+	if _, err := pgxpool.ParseConfig(cfg.DatabaseURL); err != nil {
+		return cfg, invalidFlag("--database-url (DATABASE_URL)", err)
+	}
+	if err := validateSchema(cfg.Schema); err != nil {
+		return cfg, invalidFlag("--schema (ONCELY_SCHEMA)", err)
+	}
+	switch {
+	case cfg.Topic == "":
+		return cfg, invalidFlag("--topic", errors.New("must not be empty"))
+	case cfg.EventsTopic == "":
+		return cfg, invalidFlag("--events-topic (EVENTS_TOPIC)", errors.New("must not be empty"))
+	case cfg.EventsTopic == cfg.Topic || cfg.EventsTopic == dlq.DefaultTopic(cfg.Topic):
+		// The worker would consume its own events: each one would look
+		// like an order and publish another event, forever.
+		return cfg, invalidFlag("--events-topic (EVENTS_TOPIC)", fmt.Errorf("%q is the consumed topic or its dead-letter topic", cfg.EventsTopic))
+	case cfg.Group == "":
+		return cfg, invalidFlag("--group (CONSUMER_GROUP)", errors.New("must not be empty"))
+	case cfg.HTTPAddr == "":
+		return cfg, invalidFlag("--http-addr (HTTP_ADDR)", errors.New("must not be empty"))
+	}
+	return cfg, nil
+}
+
+// errReported is a command-line error the flag package already printed.
+var errReported = errors.New("invalid command line")
+
+// parse runs fs.Parse; -h returns flag.ErrHelp.
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return errReported
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%s: unexpected argument %q", fs.Name(), fs.Arg(0))
+	}
+	return nil
+}
+
+// invalidFlag is the error for a flag's invalid value. name also names the
+// environment variable the value may have come from.
+func invalidFlag(name string, err error) error {
+	return fmt.Errorf("invalid %s: %w", name, err)
+}
+
+// usageExit prints a command-line error and returns the exit code for it:
+// 0 for -h, 2 otherwise.
+func usageExit(stderr io.Writer, err error) int {
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		return exitOK
+	case !errors.Is(err, errReported):
+		printf(stderr, "orderworker: %v\n", err)
+	}
+	return exitUsage
+}
+
+// printf writes to the terminal (stdout, stderr): a failed write there has
+// nowhere to be reported, so this one place ignores it.
+func printf(w io.Writer, format string, args ...any) { _, _ = fmt.Fprintf(w, format, args...) }
+
+func envOr(getenv func(string) string, key, def string) string {
+	if v := getenv(key); v != "" {
+		return v
+	}
+	return def
+}
+
+// parseBrokers splits a comma-separated list; an empty list is allowed
+// (in-process kfake), an empty entry is not.
+func parseBrokers(s string) ([]string, error) {
+	if strings.TrimSpace(s) == "" {
+		return nil, nil
+	}
+	var out []string
+	for i, b := range strings.Split(s, ",") {
+		b = strings.TrimSpace(b)
+		if b == "" {
+			return nil, fmt.Errorf("entry %d of %q is empty", i, s)
+		}
+		out = append(out, b)
+	}
+	return out, nil
+}
+
+// flagSet reports whether the command line set the flag name.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+// parseSecrets splits a comma-separated list of Standard Webhooks secrets and
+// checks that each is whsec_ followed by base64; an empty list is allowed
+// (the webhook route then answers 503). Errors never quote a secret.
+func parseSecrets(s string) ([]string, error) {
+	if strings.TrimSpace(s) == "" {
+		return nil, nil
+	}
+	var out []string
+	for i, sec := range strings.Split(s, ",") {
+		sec = strings.TrimSpace(sec)
+		if sec == "" {
+			return nil, fmt.Errorf("entry %d of the list is empty", i)
+		}
+		out = append(out, sec)
+	}
+	if _, err := webhook.NewStandardWebhooks(webhook.VerifierConfig{Secrets: out}); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// schemaRE mirrors oncely's allow-list for schema names: the name is also
+// quoted with pgx.Identifier, but refusing odd names early gives a clear
+// error at start-up instead of a surprising schema.
+var schemaRE = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
+
+func validateSchema(s string) error {
+	if !schemaRE.MatchString(s) || strings.HasPrefix(s, "pg_") {
+		return fmt.Errorf("%q: want lower-case letters, digits and underscores, not starting with a digit or pg_", s)
+	}
+	return nil
+}
+
+// produceCmd publishes random orders to a running worker's topic.
+func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("orderworker produce", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); required")
+	topic := fs.String("topic", "orders", "topic to produce to")
+	count := fs.Int("count", 1000, "orders to produce")
+	dupRate := fs.Float64("dup-rate", 0.2, "fraction of orders produced a second time with the same message-id")
+	customers := fs.Int("customers", 50, "number of distinct customers")
+	rate := fs.Int("rate", 0, "records per second; 0: as fast as possible")
+	if err := parse(fs, args); err != nil {
+		return usageExit(stderr, err)
+	}
+	bs, err := parseBrokers(*brokers)
+	if err == nil && len(bs) == 0 {
+		err = errors.New("required (a worker started without brokers logs its in-process address)")
+	}
+	if err != nil {
+		return usageExit(stderr, invalidFlag("--brokers (KAFKA_BROKERS)", err))
+	}
+	spec := orderSpec{Count: *count, Customers: *customers, DupRate: *dupRate}
+	if name, err := spec.validate(); err != nil {
+		return usageExit(stderr, invalidFlag(name, err))
+	}
+	if *rate < 0 {
+		return usageExit(stderr, invalidFlag("--rate", errors.New("must not be negative")))
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(bs...))
+	if err != nil {
+		printf(stderr, "orderworker: kafka client: %v\n", err)
+		return exitError
+	}
+	defer cl.Close()
+	batch := generate(spec, newRand())
+	if err := produce(ctx, cl, *topic, batch.Deliveries, *rate); err != nil {
+		printf(stderr, "orderworker: %v\n", err)
+		return exitError
+	}
+	printf(stdout, "produced %d records to %s: %d orders (total %d cents) and %d duplicate deliveries\n",
+		len(batch.Deliveries), *topic, len(batch.Orders), batch.totalCents(), batch.Duplicates)
+	return exitOK
+}

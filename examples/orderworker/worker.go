@@ -1,0 +1,493 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/migrations"
+	"github.com/oncely/oncely/outbox"
+	"github.com/oncely/oncely/webhook"
+)
+
+// Order is the JSON value of a record on the orders topic.
+type Order struct {
+	OrderID     string `json:"order_id"`
+	CustomerID  string `json:"customer_id"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// validate checks what the JSON decoding cannot: the ids are there and the
+// amount is positive. The consumer dead-letters an order that fails it;
+// POST /orders refuses it with 400.
+func (o Order) validate() error {
+	switch {
+	case o.OrderID == "" || o.CustomerID == "":
+		return errors.New("order_id and customer_id are required")
+	case o.AmountCents <= 0:
+		return fmt.Errorf("order %s: amount_cents must be positive, got %d", o.OrderID, o.AmountCents)
+	}
+	return nil
+}
+
+// OrderAccepted is the value of the event the handler publishes, through
+// oncely's outbox, for every order it applies: a record on the events topic
+// (default order-events) with the order id as its key, a type header of
+// "order.accepted" and the outbox's message-id header.
+type OrderAccepted struct {
+	OrderID     string `json:"order_id"`
+	CustomerID  string `json:"customer_id"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// Headers of the events the handler publishes.
+const (
+	eventTypeHeader   = "type"
+	orderAcceptedType = "order.accepted"
+)
+
+// The shutdown after SIGTERM, step by step, within the 10s that
+// orchestrators usually grant before they send SIGKILL:
+//
+//   - shutdownTimeout bounds the consumer's drain: finishing the in-flight
+//     records, the final offset commit and leaving the group. The consumer
+//     may overrun it by about a second (abandoned transactions roll back,
+//     the client closes). The relay keeps publishing meanwhile.
+//   - relayFlushTimeout is how long the relay then has to publish the
+//     events of the last transactions. What it does not publish in time
+//     stays in the outbox for the next worker's relay: nothing is lost.
+//   - telemetryFlushTimeout bounds the export of the last spans and
+//     metrics, and the HTTP server takes at most a second.
+const (
+	shutdownTimeout       = 6 * time.Second
+	relayFlushTimeout     = time.Second
+	telemetryFlushTimeout = time.Second
+)
+
+// store is the example's own tables. Every statement is qualified with the
+// schema, quoted by pgx.Identifier, and built once here; values are always
+// bind parameters.
+type store struct {
+	schema string
+	create []string // CREATE ... IF NOT EXISTS, in order
+
+	insertOrder  string
+	addToBalance string
+	pending      string // are events waiting in the outbox?
+
+	events      *outbox.Outbox // oncely's outbox table, in the same schema
+	eventsTopic string
+}
+
+// newStore returns the example's tables in schema; the handler publishes its
+// events to eventsTopic through the outbox in the same schema.
+func newStore(schema, eventsTopic string) (*store, error) {
+	events, err := outbox.New(outbox.Config{Schema: schema})
+	if err != nil {
+		return nil, err
+	}
+	orders := pgx.Identifier{schema, "orders"}.Sanitize()
+	balances := pgx.Identifier{schema, "customer_balances"}.Sanitize()
+	return &store{
+		schema:      schema,
+		events:      events,
+		eventsTopic: eventsTopic,
+		create: []string{
+			// No UNIQUE (order_id), on purpose: nothing in the table stops
+			// a second delivery from inserting a second row. Exactly one
+			// row per order is the inbox's doing, and the demo and the
+			// tests count the rows to prove it.
+			`CREATE TABLE IF NOT EXISTS ` + orders + ` (
+				id           bigserial   PRIMARY KEY,
+				order_id     text        NOT NULL,
+				customer_id  text        NOT NULL,
+				amount_cents bigint      NOT NULL,
+				message_id   text        NOT NULL,
+				topic        text,
+				partition    int,
+				"offset"     bigint,
+				created_at   timestamptz NOT NULL DEFAULT now())`,
+			`CREATE TABLE IF NOT EXISTS ` + balances + ` (
+				customer_id   text   PRIMARY KEY,
+				balance_cents bigint NOT NULL)`,
+		},
+		insertOrder: `INSERT INTO ` + orders + `
+			(order_id, customer_id, amount_cents, message_id, topic, partition, "offset")
+			VALUES ($1, $2, $3, $4, $5, $6, $7)`,
+		// Adding to a balance is the textbook effect that must not run
+		// twice: a redelivered order would credit the customer again.
+		addToBalance: `INSERT INTO ` + balances + ` AS b (customer_id, balance_cents)
+			VALUES ($1, $2)
+			ON CONFLICT (customer_id) DO UPDATE SET balance_cents = b.balance_cents + EXCLUDED.balance_cents`,
+		// The relay's own index on pending rows answers this.
+		pending: `SELECT EXISTS (SELECT 1 FROM ` + pgx.Identifier{schema, "outbox"}.Sanitize() + ` WHERE sent_at IS NULL)`,
+	}, nil
+}
+
+// lockKey names the advisory lock that serializes the example's CREATE
+// TABLE statements among instances starting at the same moment (two
+// concurrent CREATE TABLE IF NOT EXISTS of one table can fail on the
+// catalog's unique index). The tests hold it to observe a worker that is not
+// ready yet.
+func (s *store) lockKey() string { return "oncely-orderworker/" + s.schema }
+
+// migrate brings the database up to date: oncely's migrations (all of them:
+// the inbox, the outbox, and the idempotency keys of POST /orders), then the
+// example's tables, each in one transaction under an advisory lock, so any
+// number of instances may run it at once.
+func (s *store) migrate(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
+	m, err := migrations.New(pool, migrations.Config{Schema: s.schema, Logger: log})
+	if err != nil {
+		return err
+	}
+	if _, err := m.Up(ctx); err != nil {
+		return err
+	}
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`, s.lockKey()); err != nil {
+			return fmt.Errorf("orderworker: lock for migrations: %w", err)
+		}
+		for _, stmt := range s.create {
+			if _, err := tx.Exec(ctx, stmt); err != nil {
+				return fmt.Errorf("orderworker: create tables: %w", err)
+			}
+		}
+		return nil
+	})
+}
+
+// handler is the consumer.Handler: consumer.JSON decodes each record's value
+// into an Order and hands it to apply. A value that does not decode (bad
+// JSON, a field of the wrong type, an unknown field) will not decode on a
+// later attempt either, so consumer.JSON marks the error dlq.Undecodable and
+// the consumer dead-letters the record at once, to "<topic>.dlq", instead of
+// retrying it or stopping the partition.
+func (s *store) handler() consumer.Handler { return consumer.JSON(s.apply) }
+
+// apply runs inside the transaction whose first statement claimed msg.ID in
+// the inbox, so its writes commit together with that claim, or not at all:
+// the order's row, the customer's balance, and the order.accepted event in
+// the outbox, which the relay publishes once the transaction committed.
+// Neither of the first two writes is idempotent by itself, and the event
+// gets a new message id each time: the inbox is what makes each order count,
+// and be announced, once.
+func (s *store) apply(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o Order) error {
+	// An order that is wrong now is wrong on every retry: dead-letter it at
+	// once (class permanent) instead of retrying it MaxAttempts times.
+	if err := o.validate(); err != nil {
+		return dlq.Permanent(fmt.Errorf("orderworker: record %s/%d/%d: %w", msg.Topic, msg.Partition, msg.Offset, err))
+	}
+	if _, err := tx.Exec(ctx, s.insertOrder,
+		o.OrderID, o.CustomerID, o.AmountCents, msg.ID, msg.Topic, msg.Partition, msg.Offset); err != nil {
+		return fmt.Errorf("orderworker: insert order %s: %w", o.OrderID, err)
+	}
+	if _, err := tx.Exec(ctx, s.addToBalance, o.CustomerID, o.AmountCents); err != nil {
+		return fmt.Errorf("orderworker: add to balance of %s: %w", o.CustomerID, err)
+	}
+	value, err := json.Marshal(OrderAccepted(o))
+	if err != nil {
+		return fmt.Errorf("orderworker: encode order.accepted for %s: %w", o.OrderID, err)
+	}
+	// ctx carries the consumer's process span: the outbox stores its trace
+	// context with the event, and the relay's send span continues it.
+	if _, err := s.events.Enqueue(ctx, tx, outbox.Message{
+		Topic: s.eventsTopic,
+		Key:   []byte(o.OrderID), // one order's events stay in order
+		Value: value,
+		Headers: []outbox.Header{
+			{Key: eventTypeHeader, Value: []byte(orderAcceptedType)},
+			{Key: "content-type", Value: []byte("application/json")},
+		},
+	}); err != nil {
+		return fmt.Errorf("orderworker: enqueue order.accepted for %s: %w", o.OrderID, err)
+	}
+	return nil
+}
+
+// workerConfig is the run command's configuration (flags in main.go).
+type workerConfig struct {
+	Brokers        []string // empty: start an in-process kfake cluster
+	Topic          string
+	EventsTopic    string // where the order.accepted events go
+	DatabaseURL    string
+	Group          string
+	HTTPAddr       string
+	SessionTimeout time.Duration
+	InstanceID     string
+	Schema         string
+
+	// Telemetry. The OTLP exporters read the standard OTEL_EXPORTER_OTLP_*
+	// variables themselves; these say whether to start them.
+	TraceStdout bool // spans to stdout, one JSON object a line
+	OTLPTraces  bool // OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT is set
+	OTLPMetrics bool // OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set
+
+	// WebhookSecrets verify POST /webhooks/orders (Standard Webhooks,
+	// whsec_...; several while rotating). Empty: the route answers 503.
+	WebhookSecrets []string
+	// testHalt is the TEST-ONLY crash point of POST /orders, from
+	// ONCELY_TEST_ORDERS_HALT (see testHaltEnv); "" normally.
+	testHalt string
+}
+
+// runWorker is the worker: telemetry, the HTTP server (health and metrics),
+// migrations, then the consumer and the outbox relay until ctx is cancelled.
+// It returns nil after a clean shutdown. Spans go to stdout with
+// cfg.TraceStdout.
+func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slog.Logger) error {
+	if len(cfg.Brokers) == 0 {
+		cluster, err := startKfake(cfg.Topic, cfg.EventsTopic)
+		if err != nil {
+			return err
+		}
+		defer cluster.Close()
+		cfg.Brokers = cluster.ListenAddrs()
+		log.Info("no --brokers: started an in-process kfake cluster; feed it with `orderworker produce --brokers ADDR`",
+			"brokers", cfg.Brokers[0], "topic", cfg.Topic, "events_topic", cfg.EventsTopic)
+	}
+
+	// pgxpool's defaults fit: at most max(4, GOMAXPROCS) connections,
+	// shared by the partition workers and the relay (whose LISTEN takes a
+	// connection of its own). Partition workers beyond that wait for a
+	// connection. Tune with pool_max_conns in the URL.
+	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	if err != nil {
+		return fmt.Errorf("orderworker: database: %w", err)
+	}
+	defer pool.Close()
+
+	tel, err := newTelemetry(ctx, cfg, stdout, log)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		// After the consumer and the relay stopped, so that the final
+		// export includes their last spans and counts.
+		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), telemetryFlushTimeout)
+		defer cancel()
+		if err := tel.shutdown(fctx); err != nil {
+			log.Warn("orderworker telemetry: flush on exit failed", "err", err)
+		}
+	}()
+
+	// The HTTP server starts first so that an orchestrator sees 503
+	// (alive, not ready) while migrations wait for their lock; the order
+	// routes answer 503 until then too.
+	api, err := newHTTPAPI(cfg, pool, log)
+	if err != nil {
+		return err
+	}
+	var h health
+	stopHTTP, err := serveHTTP(ctx, cfg.HTTPAddr, &h, tel.metrics, api, log)
+	if err != nil {
+		return err
+	}
+	defer stopHTTP()
+	// On SIGTERM the server stops taking requests at once, while the
+	// consumer drains: the requests in flight finish (within a second),
+	// so every order answered 202 is in the outbox before the relay's
+	// last flush.
+	defer context.AfterFunc(ctx, stopHTTP)()
+
+	st, err := newStore(cfg.Schema, cfg.EventsTopic)
+	if err != nil {
+		return err
+	}
+	if err := st.migrate(ctx, pool, log); err != nil {
+		if ctx.Err() != nil {
+			return nil // asked to stop while starting: nothing to drain
+		}
+		return err
+	}
+	h.migrated.Store(true)
+	// The idempotency middleware's cleanup deletes expired keys (after its
+	// 24 h TTL) in batches, every minute, until the worker stops.
+	cleanupCtx, stopCleanup := context.WithCancel(ctx)
+	cleanupDone := make(chan struct{})
+	go func() {
+		defer close(cleanupDone)
+		_ = api.keys.Run(cleanupCtx) // returns nil once cleanupCtx is done; failures are logged
+	}()
+	defer func() {
+		stopCleanup()
+		<-cleanupDone
+	}()
+
+	c, err := consumer.New(consumer.Config{
+		Brokers:         cfg.Brokers,
+		Topics:          []string{cfg.Topic},
+		Group:           cfg.Group,
+		Pool:            pool,
+		Handler:         st.handler(),
+		Schema:          cfg.Schema,
+		InstanceID:      cfg.InstanceID,
+		SessionTimeout:  cfg.SessionTimeout,
+		ShutdownTimeout: shutdownTimeout,
+		TracerProvider:  tel.tracerProvider,
+		MeterProvider:   tel.meterProvider,
+		Logger:          log,
+	})
+	if err != nil {
+		return err
+	}
+	// The relay publishes what the handler enqueued. Every instance runs
+	// one: relays share the outbox's shards through advisory locks, so
+	// per-order event order holds with any number of them.
+	relay, err := outbox.NewRelay(outbox.RelayConfig{
+		Outbox:  outbox.Config{Schema: cfg.Schema},
+		Pool:    pool,
+		Brokers: cfg.Brokers,
+		// Like the consumer's dead-letter topic: created on first use
+		// where the brokers allow it.
+		ClientOpts:     []kgo.Opt{kgo.AllowAutoTopicCreation()},
+		TracerProvider: tel.tracerProvider,
+		MeterProvider:  tel.meterProvider,
+		Logger:         log,
+	})
+	if err != nil {
+		return err
+	}
+	h.consumer.Store(c)
+
+	// The relay runs until the consumer has drained (its last transactions
+	// enqueue events too) and the outbox is empty, or relayFlushTimeout has
+	// passed. If it fails, the worker stops: a worker whose events go
+	// nowhere should not look healthy.
+	consumerCtx, stopConsumer := context.WithCancel(ctx)
+	defer stopConsumer()
+	relayCtx, stopRelay := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopRelay()
+	var relayErr error
+	relayDone := make(chan struct{})
+	go func() {
+		defer close(relayDone)
+		if relayErr = relay.Run(relayCtx); relayErr != nil {
+			stopConsumer()
+		}
+	}()
+
+	err = c.Run(consumerCtx)
+	stopHTTP() // done already on SIGTERM; waits for requests in flight
+	if ferr := st.flushEvents(pool, relayDone); ferr != nil {
+		log.Warn("orderworker: events left in the outbox; the next relay to run publishes them", "err", ferr)
+	}
+	stopRelay()
+	<-relayDone // relayErr is set
+	s, rs := c.Stats(), relay.Stats()
+	var ws webhook.Stats
+	if api.receiver != nil {
+		ws = api.receiver.Stats()
+	}
+	// processed: records whose effects this process committed;
+	// duplicates: deliveries the inbox turned into no-ops; events_published:
+	// outbox rows this process's relay published (events, and orders from
+	// the HTTP routes); webhooks_*: POST /webhooks/orders stored, found
+	// already stored, refused. The demo and the tests read this line.
+	log.Info("orderworker stopped", "processed", s.Processed, "duplicates", s.Duplicates,
+		"dead_lettered", s.DeadLettered, "retries", s.Retries, "offset_commits", s.OffsetCommits,
+		"events_published", rs.Published, "webhooks_stored", ws.Stored, "webhooks_duplicates", ws.Duplicates,
+		"webhooks_refused", ws.Refused)
+	return errors.Join(err, relayErr)
+}
+
+// flushEvents waits up to relayFlushTimeout until the outbox holds no
+// pending event, or until relayDone is closed (the relay stopped).
+func (s *store) flushEvents(pool *pgxpool.Pool, relayDone <-chan struct{}) error {
+	return poll(context.Background(), relayFlushTimeout, 20*time.Millisecond, "the relay to publish the outbox",
+		func(ctx context.Context) (bool, error) {
+			select {
+			case <-relayDone:
+				return false, giveUp(errors.New("the relay stopped"))
+			default:
+			}
+			var pending bool
+			err := pool.QueryRow(ctx, s.pending).Scan(&pending)
+			return !pending, err
+		})
+}
+
+// startKfake starts an in-process Kafka (kfake speaks the real wire
+// protocol) with the topic, its dead-letter topic and the events topic
+// created. Its group minimum session timeout is lowered from kfake's 6s so
+// that short --session-timeout values work.
+func startKfake(topic, eventsTopic string) (*kfake.Cluster, error) {
+	c, err := kfake.NewCluster(
+		kfake.NumBrokers(1),
+		kfake.SeedTopics(4, topic, dlq.DefaultTopic(topic), eventsTopic),
+		kfake.GroupMinSessionTimeout(time.Second),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("orderworker: start kfake: %w", err)
+	}
+	return c, nil
+}
+
+// health answers GET /healthz: 200 once the schema is migrated and the
+// consumer is ready (polling, and the database answered its last attempt),
+// 503 otherwise.
+type health struct {
+	migrated atomic.Bool
+	consumer atomic.Pointer[consumer.Consumer]
+}
+
+func (h *health) ready() bool {
+	c := h.consumer.Load()
+	return h.migrated.Load() && c != nil && c.Ready()
+}
+
+func (h *health) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
+	if !h.ready() {
+		http.Error(w, "not ready", http.StatusServiceUnavailable)
+		return
+	}
+	_, _ = fmt.Fprintln(w, "ok")
+}
+
+// serveHTTP serves GET /healthz, GET /metrics and the order routes of api on
+// addr (port 0 picks a free port; the chosen address is logged) and returns
+// a function that shuts the server down, giving requests in flight up to a
+// second; it may be called more than once, and from several goroutines.
+func serveHTTP(ctx context.Context, addr string, h *health, metrics http.Handler, api *httpAPI, log *slog.Logger) (stop func(), err error) {
+	ln, err := new(net.ListenConfig).Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("orderworker: --http-addr: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /healthz", h)
+	mux.Handle("GET /metrics", metrics)
+	api.register(mux, h.migrated.Load)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			log.Error("orderworker http server failed", "err", err)
+		}
+	}()
+	log.Info("orderworker http listening", "addr", ln.Addr().String())
+	return sync.OnceFunc(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		if err := srv.Shutdown(ctx); err != nil {
+			// Cancels the requests still running: those not committed yet
+			// roll back, and their clients' retries run afresh.
+			_ = srv.Close()
+		}
+		<-done
+	}), nil
+}
