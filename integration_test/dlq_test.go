@@ -1,0 +1,337 @@
+package integration_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/testhook"
+)
+
+type order struct {
+	ID     string `json:"id"`
+	Amount int64  `json:"amount"`
+}
+
+// orderHandler: amount < 0 is permanent, "flaky" always fails, "boom" always
+// panics; the rest apply the effect.
+func orderHandler(member string) consumer.Handler {
+	return consumer.JSON(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o order) error {
+		switch {
+		case o.Amount < 0:
+			return dlq.Permanent(errors.New("negative amount"))
+		case o.ID == "flaky":
+			return errors.New("downstream unavailable")
+		case o.ID == "boom":
+			panic("handler bug")
+		}
+		return recordEffect(member)(ctx, tx, msg)
+	})
+}
+
+// rec builds a record with a message-id header.
+func (e *env) rec(partition int32, id, value string, extra ...kgo.RecordHeader) *kgo.Record {
+	return &kgo.Record{Topic: e.topic, Partition: partition, Key: []byte("k-" + id), Value: []byte(value),
+		Headers: append([]kgo.RecordHeader{{Key: "message-id", Value: []byte(id)}}, extra...)}
+}
+
+func (e *env) produceRecords(t *testing.T, recs ...*kgo.Record) {
+	t.Helper()
+	cl := e.kafka.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// dlqEntries lists the env's dead-letter topic.
+func (e *env) dlqEntries(t *testing.T) []dlq.Entry {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	entries, err := dlq.List(ctx, []kgo.Opt{kgo.SeedBrokers(e.kafka.Brokers...)}, dlq.DefaultTopic(e.topic), dlq.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return entries
+}
+
+func (e *env) createDLQTopic(t *testing.T) [16]byte {
+	t.Helper()
+	return e.kafka.CreateTopicNamed(t, dlq.DefaultTopic(e.topic), 1)
+}
+
+func valueOf(id string, amount int64) string {
+	b, _ := json.Marshal(order{ID: id, Amount: amount})
+	return string(b)
+}
+
+// Every class of poison ends in the dead-letter topic with its headers, and
+// the partition moves on: the records after each poison are applied, in order.
+func TestEachPoisonClassIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.createDLQTopic(t)
+	secret := kgo.RecordHeader{Key: "Authorization", Value: []byte("Bearer s3cret")}
+	custom := kgo.RecordHeader{Key: "tenant", Value: []byte("acme")}
+	e.produceRecords(t,
+		e.rec(0, "ok-0", valueOf("ok-0", 1)),
+		e.rec(0, "undecodable", `{"id": "x", "amount": `, secret, custom),
+		e.rec(0, "ok-1", valueOf("ok-1", 1)),
+		e.rec(0, "permanent", valueOf("permanent", -5)),
+		e.rec(0, "ok-2", valueOf("ok-2", 1)),
+		e.rec(0, "transient", valueOf("flaky", 1)),
+		e.rec(0, "ok-3", valueOf("ok-3", 1)),
+		e.rec(0, "panic", valueOf("boom", 1)),
+		e.rec(0, "ok-4", valueOf("ok-4", 1)),
+		e.rec(0, "oversized", valueOf("big", 1)+strings.Repeat(" ", 4096)),
+		e.rec(0, "ok-5", valueOf("ok-5", 1)),
+	)
+	cfg := e.config("a", orderHandler("a"))
+	cfg.MaxAttempts = 3
+	cfg.MaxRecordBytes = 1024
+	m := e.start(context.Background(), cfg)
+	eventually(t, time.Minute, "every record handled and committed", func() bool {
+		return m.c.Stats().DeadLettered == 5 && m.c.Stats().Processed == 6 && e.committedLag(t) == 0
+	})
+	if err := m.stop(t); err != nil {
+		t.Fatal(err)
+	}
+
+	// The good records were applied in offset order.
+	var ids []string
+	rows, _ := e.db.Pool.Query(context.Background(), `SELECT message_id FROM effects ORDER BY seq`)
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(ids, ","); got != "ok-0,ok-1,ok-2,ok-3,ok-4,ok-5" {
+		t.Errorf("effects in order %s", got)
+	}
+
+	entries := e.dlqEntries(t)
+	want := []struct {
+		id       string
+		offset   int64
+		class    dlq.Class
+		attempts int
+	}{
+		{"undecodable", 1, dlq.ClassUndecodable, 1},
+		{"permanent", 3, dlq.ClassPermanent, 1},
+		{"transient", 5, dlq.ClassMaxAttempts, 3},
+		{"panic", 7, dlq.ClassPanic, 3},
+		{"oversized", 9, dlq.ClassOversized, 0},
+	}
+	if len(entries) != len(want) {
+		t.Fatalf("dead-letter topic holds %d records, want %d", len(entries), len(want))
+	}
+	for i, w := range want {
+		en := entries[i]
+		if en.Err != nil {
+			t.Fatalf("entry %d: %v", i, en.Err)
+		}
+		info := en.Info
+		if info.MessageID != w.id || info.Offset != w.offset || info.Class != w.class || info.Attempts != w.attempts {
+			t.Errorf("entry %d = %s@%d class %s attempts %d; want %s@%d class %s attempts %d",
+				i, info.MessageID, info.Offset, info.Class, info.Attempts, w.id, w.offset, w.class, w.attempts)
+		}
+		if info.Topic != e.topic || info.Partition != 0 || info.Group != e.group || info.Error == "" ||
+			info.Timestamp.IsZero() || info.FirstFailure.After(info.LastFailure) || info.LastFailure.IsZero() {
+			t.Errorf("entry %d: incomplete info %+v", i, info)
+		}
+		if string(en.Record.Key) != "k-"+w.id {
+			t.Errorf("entry %d: key %q not copied", i, en.Record.Key)
+		}
+		if o, err := dedup.MustNew(e.db.Schema).Lookup(context.Background(), e.db.Pool, e.group, w.id); err != nil || o != dedup.DeadLettered {
+			t.Errorf("inbox outcome of %s = %q, %v; want dead_lettered", w.id, o, err)
+		}
+	}
+	und := entries[0].Record
+	if string(und.Value) != `{"id": "x", "amount": ` {
+		t.Errorf("value bytes changed: %q", und.Value)
+	}
+	hdr := map[string]string{}
+	for _, h := range und.Headers {
+		hdr[h.Key] = string(h.Value)
+	}
+	if _, leaked := hdr["Authorization"]; leaked {
+		t.Error("the Authorization header was copied to the dead-letter record")
+	}
+	if hdr["tenant"] != "acme" || hdr["message-id"] != "undecodable" {
+		t.Errorf("headers not kept: %v", hdr)
+	}
+	if first, last := entries[2].Info.FirstFailure, entries[2].Info.LastFailure; !last.After(first) {
+		t.Errorf("transient: first failure %v not before last %v over 3 attempts", first, last)
+	}
+}
+
+// The dead-letter topic refuses writes: the poisoned partition holds at the
+// poison (no loss, no commit past it) while the other partition flows; when
+// the fault clears the record reaches the dead-letter topic once.
+func TestDeadLetterOutageHoldsOnlyItsPartition(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	if e.kafka.Cluster == nil {
+		t.Skip("refusing dead-letter produces needs the in-process kfake broker (KAFKA_BROKERS is set)")
+	}
+	dlqID := e.createDLQTopic(t)
+	dlqTopic := dlq.DefaultTopic(e.topic)
+	var refuse atomic.Bool
+	refuse.Store(true)
+	var refused atomic.Int64
+	e.kafka.Cluster.ControlKey(kmsg.Produce.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		e.kafka.Cluster.KeepControl()
+		pr := req.(*kmsg.ProduceRequest)
+		if !refuse.Load() || len(pr.Topics) == 0 || (pr.Topics[0].Topic != dlqTopic && pr.Topics[0].TopicID != dlqID) {
+			return nil, nil, false
+		}
+		refused.Add(1)
+		resp := pr.ResponseKind().(*kmsg.ProduceResponse)
+		for _, rt := range pr.Topics {
+			st := kmsg.NewProduceResponseTopic()
+			st.Topic, st.TopicID = rt.Topic, rt.TopicID
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewProduceResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.NotEnoughReplicas.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+
+	e.produceRecords(t, e.rec(0, "p0-ok", valueOf("p0-ok", 1)), e.rec(0, "poison", valueOf("poison", -1)))
+	var p0After, p1 []*kgo.Record
+	for i := range 20 {
+		p0After = append(p0After, e.rec(0, "p0-after-"+itoa(i), valueOf("a", 1)))
+		p1 = append(p1, e.rec(1, "p1-"+itoa(i), valueOf("b", 1)))
+	}
+	e.produceRecords(t, append(p0After, p1...)...)
+
+	cfg := e.config("a", orderHandler("a"))
+	cfg.DeadLetterTimeout = time.Second
+	m := e.start(context.Background(), cfg)
+	eventually(t, time.Minute, "partition 1 done while the dead-letter topic refuses writes", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE partition = 1`) == 20 && m.c.Stats().DeadLetterErrs >= 2
+	})
+	if n := e.count(t, `SELECT count(*) FROM effects WHERE partition = 0`); n != 1 {
+		t.Fatalf("partition 0 applied %d records; it must hold at the poison (offset 1)", n)
+	}
+	eventually(t, 10*time.Second, "partition 0's offset committed up to the poison", func() bool {
+		return e.committedOffset(t, 0) == 1
+	})
+	if off := e.committedOffset(t, 0); off != 1 {
+		t.Fatalf("partition 0 committed offset %d, want 1 (never past the poison)", off)
+	}
+	refuse.Store(false)
+	eventually(t, time.Minute, "partition 0 resumes after the fault", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE partition = 0`) == 21 && e.committedLag(t) == 0
+	})
+	entries := e.dlqEntries(t)
+	if len(entries) != 1 || entries[0].Copies != 1 || entries[0].Info.MessageID != "poison" {
+		t.Fatalf("dead-letter entries = %+v, want the poison once", entries)
+	}
+	t.Logf("dead-letter produces refused: %d, retried by the consumer: %d", refused.Load(), m.c.Stats().DeadLetterErrs)
+}
+
+// A crash after the dead-letter produce and the inbox record, before the
+// offset commit: the redelivered poison is skipped, not dead-lettered again.
+func TestCrashAfterDeadLetterBeforeOffsetCommit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.createDLQTopic(t)
+	e.produceRecords(t, e.rec(0, "ok-0", valueOf("ok-0", 1)), e.rec(0, "poison", valueOf("poison", -1)), e.rec(0, "ok-1", valueOf("ok-1", 1)))
+	cfg := e.config("a", orderHandler("a"))
+	cfg.CommitInterval = time.Hour
+	hooks := &testhook.Consumer{AfterDeadLetter: func(*kgo.Record) error { return testhook.ErrCrash }}
+	first := e.start(testhook.WithConsumer(context.Background(), hooks), cfg)
+	if err := first.wait(t, time.Minute); !errors.Is(err, testhook.ErrCrash) {
+		t.Fatalf("Run = %v, want the simulated crash", err)
+	}
+	if lag := e.committedLag(t); lag != 3 {
+		t.Fatalf("lag after crash = %d, want 3 (nothing committed)", lag)
+	}
+	second := e.start(context.Background(), e.config("b", orderHandler("b")))
+	eventually(t, time.Minute, "second member done", func() bool { return e.committedLag(t) == 0 })
+	s := second.c.Stats()
+	if s.DeadLettered != 0 || s.Duplicates != 2 || s.Processed != 1 {
+		t.Errorf("second member %+v: want the poison and ok-0 skipped as duplicates, ok-1 processed, nothing dead-lettered", s)
+	}
+	if entries := e.dlqEntries(t); len(entries) != 1 || entries[0].Copies != 1 {
+		t.Errorf("dead-letter topic: %d entries (copies %d), want 1 record", len(entries), entries[0].Copies)
+	}
+	e.assertExactlyOnce(t, 2)
+}
+
+// Redrive: a record rejected by one handler version is redriven after the
+// fix and processed once; redriving it again changes nothing.
+func TestRedriveProcessesOnceMore(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.createDLQTopic(t)
+	e.produceRecords(t, e.rec(0, "order-7", valueOf("order-7", -3), kgo.RecordHeader{Key: "traceparent", Value: []byte("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")}))
+	v1 := e.start(context.Background(), e.config("v1", orderHandler("v1")))
+	eventually(t, time.Minute, "v1 dead-letters the order", func() bool { return v1.c.Stats().DeadLettered == 1 && e.committedLag(t) == 0 })
+	if err := v1.stop(t); err != nil {
+		t.Fatal(err)
+	}
+
+	// v2 accepts negative amounts (refunds).
+	v2 := e.start(context.Background(), e.config("v2", consumer.JSON(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message, _ order) error {
+		return recordEffect("v2")(ctx, tx, msg)
+	})))
+	entries := e.dlqEntries(t)
+	if len(entries) != 1 {
+		t.Fatalf("%d dead-letter entries, want 1", len(entries))
+	}
+	producer := e.kafka.Client(t)
+	ctx := context.Background()
+	dry, err := dlq.Redrive(ctx, producer, entries, dlq.RedriveOptions{DryRun: true})
+	if err != nil || len(dry) != 1 || dry[0].Action != dlq.WouldRedrive || dry[0].Topic != e.topic {
+		t.Fatalf("dry run = %+v, %v", dry, err)
+	}
+	if e.committedLag(t) != 0 {
+		t.Fatal("the dry run produced a record")
+	}
+	res, err := dlq.Redrive(ctx, producer, entries, dlq.RedriveOptions{})
+	if err != nil || res[0].Action != dlq.Redriven {
+		t.Fatalf("redrive = %+v, %v", res, err)
+	}
+	eventually(t, time.Minute, "v2 processes the redriven order", func() bool { return v2.c.Stats().Processed == 1 })
+	e.assertExactlyOnce(t, 1)
+
+	// The same dead-letter record again: the consumer's inbox makes it a no-op.
+	if _, err := dlq.Redrive(ctx, producer, entries, dlq.RedriveOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, time.Minute, "v2 skips the second redrive", func() bool { return v2.c.Stats().Duplicates == 1 })
+	e.assertExactlyOnce(t, 1)
+	// With the inbox at hand, Redrive does not even produce it.
+	inbox := dedup.MustNew(e.db.Schema)
+	res, err = dlq.Redrive(ctx, producer, entries, dlq.RedriveOptions{Inbox: inbox, DB: e.db.Pool})
+	if err != nil || res[0].Action != dlq.SkipProcessed {
+		t.Fatalf("redrive with inbox = %+v, %v; want skipped as processed", res, err)
+	}
+	// The redriven record kept the trace context.
+	var hasTrace bool
+	for _, h := range dlq.RedriveRecord(&entries[0], e.topic, "message-id").Headers {
+		hasTrace = hasTrace || h.Key == "traceparent"
+	}
+	if !hasTrace {
+		t.Error("redriven record lost its traceparent")
+	}
+}
