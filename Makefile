@@ -1,0 +1,44 @@
+# Targets match the README. DATABASE_URL defaults to the local server that
+# this project's machines run (trust auth, database "test").
+DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test?sslmode=disable
+export DATABASE_URL
+
+GO ?= go
+TEST_FLAGS ?= -race -count=1 -timeout 20m
+
+.PHONY: demo test test-crashpoints test-containers bench lint vet fmt-check
+
+## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
+demo:
+	$(GO) run ./examples/orderworker demo
+
+## test: every test, with the race detector, against DATABASE_URL and kfake
+test:
+	$(GO) test $(TEST_FLAGS) ./...
+
+## test-crashpoints: the named crash-point tests (after DB commit, after the dead-letter
+## produce, after the relay's produce, a zombie mid-handler) repeated, with -race
+test-crashpoints:
+	$(GO) test -race -count=5 -timeout 20m -run 'Crash|Zombie' ./integration_test/
+
+## test-containers: the integration suite with DATABASE_URL unset, every Postgres
+## started by testcontainers-go through podman (needs root: installs podman, runc
+## and busybox-static if missing, builds localhost/oncely-postgres:15 locally).
+## See scripts/test-containers.sh; arguments through TEST_CONTAINERS_ARGS.
+test-containers:
+	scripts/test-containers.sh $(TEST_CONTAINERS_ARGS)
+
+## bench: the outbox relay against a raw-SQL ceiling, in one run, with the ratio
+bench:
+	$(GO) test -run '^$$' -bench BenchmarkOutbox -benchtime 20000x -count 1 ./outbox/ | tee /tmp/oncely-bench.txt
+	@awk '/raw-sql/ {raw=$$5} /relay/ {relay=$$5} END {if (raw > 0) printf "relay / raw-SQL ceiling = %.2f\n", relay/raw}' /tmp/oncely-bench.txt
+
+## lint: formatting, vet and golangci-lint (fetched through the module proxy)
+lint: fmt-check vet
+	$(GO) run github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0 run ./...
+
+vet:
+	$(GO) vet ./...
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
