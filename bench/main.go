@@ -1,0 +1,177 @@
+// Command bench measures oncely's consumer against a raw-SQL ceiling, a naive
+// at-least-once consumer and Watermill, in one run against an in-process
+// kfake broker (a child process of this one) and a real Postgres, and prints
+// records/s, end-to-end latency, the ratios between the modes and whether
+// the project's targets hold. docs/BENCHMARKS.md says how to read it.
+//
+//	cd bench && go run . [flags]      (or: make bench)
+package main
+
+import (
+	"cmp"
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+type options struct {
+	dbURL      string
+	modes      string
+	n          int
+	batchN     int
+	partitions int
+	keys       int
+	conns      int
+
+	latencyRecords int
+	latencyRate    float64
+
+	batchSize int
+
+	keyN, keySeqN  int
+	keyParallelism int
+	keySleep       time.Duration
+	keyLatencyRate float64
+
+	rssN int
+
+	timeout time.Duration
+}
+
+// The modes, in the order they run.
+const (
+	modeCeiling   = "ceiling"
+	modeNaive     = "naive"
+	modePerRecord = "oncely"
+	modeBatch     = "batch"
+	modeWatermill = "watermill"
+	modeKeySeq    = "perkey-seq"
+	modeKeyPar    = "perkey-par"
+	modeRSS       = "rss"
+)
+
+var allModes = []string{modeCeiling, modeNaive, modePerRecord, modeBatch, modeWatermill, modeKeySeq, modeKeyPar, modeRSS}
+
+func main() {
+	if len(os.Args) == 2 && os.Args[1] == brokerFlag {
+		if err := serveBroker(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		return
+	}
+	var o options
+	flag.StringVar(&o.dbURL, "database-url", cmp.Or(os.Getenv("DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres to measure against (each mode gets a fresh schema, dropped afterwards)")
+	flag.StringVar(&o.modes, "modes", strings.Join(allModes, ","), "modes to run, comma-separated: "+strings.Join(allModes, ","))
+	flag.IntVar(&o.n, "n", 20_000, "backlog records for the per-record modes (naive, oncely, watermill)")
+	flag.IntVar(&o.batchN, "batch-n", 200_000, "records for the raw-SQL ceiling and batch mode")
+	flag.IntVar(&o.partitions, "partitions", 4, "partitions of the throughput modes' topics")
+	flag.IntVar(&o.keys, "keys", 1000, "distinct record keys in the throughput modes")
+	flag.IntVar(&o.conns, "conns", 4, "Postgres connections of the throughput modes (and of the ceiling)")
+	flag.IntVar(&o.latencyRecords, "latency-records", 1500, "records produced at -latency-rate after the backlog drained; their latencies are p50/p99")
+	flag.Float64Var(&o.latencyRate, "latency-rate", 500, "records/s of the latency phase")
+	flag.IntVar(&o.batchSize, "batch-size", 500, "consumer.Config.BatchSize of batch mode")
+	flag.IntVar(&o.keyN, "key-n", 5000, "records of the per-key parallel mode (one partition, 100 keys)")
+	flag.IntVar(&o.keySeqN, "key-seq-n", 500, "records of the per-partition sequential mode it is compared with")
+	flag.IntVar(&o.keyParallelism, "key-parallelism", 32, "consumer.Config.KeyParallelism of the per-key parallel mode (also its pool size)")
+	flag.DurationVar(&o.keySleep, "key-sleep", 5*time.Millisecond, "handler sleep inside the transaction in the per-key modes")
+	flag.Float64Var(&o.keyLatencyRate, "key-latency-rate", 100, "records/s of the per-key modes' latency phase")
+	flag.IntVar(&o.rssN, "rss-n", 1_000_000, "backlog records of the RSS mode (batch mode)")
+	flag.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one phase of one mode")
+	flag.Parse()
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if err := run(ctx, o); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, o options) error {
+	modes := strings.Split(o.modes, ",")
+	for _, m := range modes {
+		if !slices.Contains(allModes, m) {
+			return fmt.Errorf("unknown mode %q (modes: %s)", m, strings.Join(allModes, ","))
+		}
+	}
+	admin, err := pgxpool.New(ctx, o.dbURL)
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	var pgVersion string
+	if err := admin.QueryRow(ctx, "SHOW server_version").Scan(&pgVersion); err != nil {
+		return fmt.Errorf("postgres at %s: %w", o.dbURL, err)
+	}
+	b, err := startBroker(ctx)
+	if err != nil {
+		return err
+	}
+	defer b.stop()
+	e := &env{dbURL: o.dbURL, admin: admin, brokers: b.addrs, opts: o}
+
+	fmt.Printf("oncely bench: %s, %d CPUs, %s/%s, Postgres %s, kfake (child process)\n",
+		runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, pgVersion)
+	fmt.Printf("command: %s\n\n", strings.Join(os.Args, " "))
+
+	results := map[string]result{}
+	for _, m := range allModes {
+		if !slices.Contains(modes, m) {
+			continue
+		}
+		start := time.Now()
+		fmt.Fprintf(os.Stderr, "bench: %s...", m)
+		r := e.runMode(ctx, m)
+		fmt.Fprintf(os.Stderr, " %s (%.0f records/s)\n", time.Since(start).Round(100*time.Millisecond), r.rate())
+		if r.err != nil {
+			fmt.Fprintf(os.Stderr, "bench: %s: %v\n", m, r.err)
+		}
+		results[m] = r
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	report(os.Stdout, o, modes, results)
+	for _, m := range modes {
+		if r, ok := results[m]; ok && r.err != nil {
+			return fmt.Errorf("mode %s failed", m)
+		}
+	}
+	return nil
+}
+
+func (e *env) runMode(ctx context.Context, m string) result {
+	o := e.opts
+	tw := workload{records: o.n, keys: o.keys, partitions: int32(o.partitions)}
+	perRecord := func(name string, inbox bool, fn func(context.Context, kafkaRun) error) kafkaMode {
+		return kafkaMode{name: name, w: tw, conns: int32(o.conns), inbox: inbox,
+			latencyRecords: o.latencyRecords, latencyRate: o.latencyRate, run: fn}
+	}
+	switch m {
+	case modeCeiling:
+		return e.runCeiling(ctx, workload{records: o.batchN, keys: o.keys, partitions: int32(o.partitions)}, int32(o.conns))
+	case modeNaive:
+		r := e.runKafka(ctx, perRecord("naive at-least-once", false, runNaive))
+		r.note = "per-record tx, no inbox"
+		return r
+	case modePerRecord:
+		r := e.runKafka(ctx, perRecord("oncely per-record", true, runOncelyPerRecord))
+		r.note = "per-record tx + inbox claim"
+		return r
+	case modeWatermill:
+		r := e.runKafka(ctx, perRecord("watermill", true, runWatermill))
+		r.note = "watermill-kafka + hand-written inbox"
+		return r
+	default:
+		return e.runBatchMode(ctx, m)
+	}
+}

@@ -1,0 +1,198 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dedup"
+)
+
+// ceilingBatch is the raw-SQL ceiling's records per transaction.
+const ceilingBatch = 500
+
+// runCeiling writes the inbox rows and effect rows of w's records without
+// Kafka: transactions of ceilingBatch records (one multi-row inbox claim, one
+// multi-row effect insert), on every connection of the pool at once. Its
+// latency is a transaction's, from BEGIN to the end of COMMIT.
+func (e *env) runCeiling(ctx context.Context, w workload, conns int32) (res result) {
+	res = result{mode: "raw-SQL ceiling", records: w.records, note: fmt.Sprintf("batches of %d, %d conns", ceilingBatch, conns)}
+	d, err := e.newDB(ctx, "ceiling", conns)
+	if err != nil {
+		res.err = err
+		return res
+	}
+	defer d.close(ctx, e.admin)
+	inbox, err := dedup.New(dedup.Config{Schema: d.schema})
+	if err != nil {
+		res.err = err
+		return res
+	}
+	group := uniqueName("bench")
+
+	var (
+		next    atomic.Int64
+		mu      sync.Mutex
+		samples []time.Duration
+		errs    = make([]error, conns)
+		wg      sync.WaitGroup
+	)
+	start := time.Now()
+	for c := range int(conns) {
+		wg.Go(func() {
+			for {
+				from := int(next.Add(ceilingBatch)) - ceilingBatch
+				if from >= w.records {
+					return
+				}
+				t0 := time.Now()
+				if err := pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error {
+					return ceilingTx(ctx, tx, d, inbox, group, w, from, min(from+ceilingBatch, w.records))
+				}); err != nil {
+					errs[c] = err
+					return
+				}
+				mu.Lock()
+				samples = append(samples, time.Since(t0))
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	res.elapsed = time.Since(start)
+	if res.err = errors.Join(errs...); res.err != nil {
+		return res
+	}
+	res.p50, res.p99 = percentiles(samples)
+	res.latencyRecords = len(samples)
+	_, res.err = d.verify(ctx, int64(w.records), true, false)
+	return res
+}
+
+// ceilingTx claims records [from, to) in the inbox and inserts their effects.
+func ceilingTx(ctx context.Context, tx pgx.Tx, d *db, inbox *dedup.Inbox, group string, w workload, from, to int) error {
+	items := make([]item, to-from)
+	entries := make([]dedup.Entry, to-from)
+	for j := range items {
+		i := from + j
+		id, key := w.record(i)
+		items[j] = item{id: id, key: key, part: w.partition(i), off: int64(i), amount: amountOf(i)}
+		entries[j] = dedup.Entry{MessageID: id, Topic: "ceiling", Partition: items[j].part, Offset: items[j].off}
+	}
+	if _, err := inbox.ClaimMany(ctx, tx, group, entries); err != nil {
+		return err
+	}
+	return d.applyEffects(ctx, tx, items)
+}
+
+// runNaive is an at-least-once consumer without an inbox, written the way a
+// franz-go user would without oncely: poll, one goroutine per partition of
+// the poll, each record in its own transaction with only the effect insert,
+// then a synchronous commit of the polled offsets. A crash between a
+// transaction's commit and the offset commit applies a record twice.
+func runNaive(ctx context.Context, k kafkaRun) error {
+	cl, err := kgo.NewClient(
+		kgo.SeedBrokers(k.env.brokers...),
+		kgo.ConsumerGroup(k.group),
+		kgo.ConsumeTopics(k.topic),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		kgo.DisableAutoCommit(),
+		kgo.BlockRebalanceOnPoll(),
+		kgo.FetchMaxWait(500*time.Millisecond),
+	)
+	if err != nil {
+		return err
+	}
+	defer cl.CloseAllowingRebalance()
+	for {
+		fetches := cl.PollFetches(ctx)
+		if ctx.Err() != nil || fetches.IsClientClosed() {
+			return nil
+		}
+		var (
+			wg   sync.WaitGroup
+			mu   sync.Mutex
+			ferr error
+		)
+		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+			wg.Go(func() {
+				for _, rec := range p.Records {
+					if err := naiveRecord(ctx, k.db, rec); err != nil {
+						mu.Lock()
+						ferr = cmpErr(ferr, err)
+						mu.Unlock()
+						return
+					}
+				}
+			})
+		})
+		wg.Wait()
+		if ferr != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return ferr
+		}
+		if err := cl.CommitUncommittedOffsets(ctx); err != nil && ctx.Err() == nil {
+			return fmt.Errorf("commit offsets: %w", err)
+		}
+		cl.AllowRebalance()
+	}
+}
+
+func naiveRecord(ctx context.Context, d *db, rec *kgo.Record) error {
+	id, _ := headerValue(rec, consumer.DefaultMessageIDHeader)
+	it, err := itemOf(id, rec)
+	if err != nil {
+		return err
+	}
+	return pgx.BeginFunc(ctx, d.pool, func(tx pgx.Tx) error { return d.applyEffect(ctx, tx, it) })
+}
+
+func headerValue(rec *kgo.Record, key string) (string, bool) {
+	for _, h := range rec.Headers {
+		if h.Key == key {
+			return string(h.Value), true
+		}
+	}
+	return "", false
+}
+
+// oncelyConfig is the consumer configuration every oncely mode starts from.
+func oncelyConfig(k kafkaRun) consumer.Config {
+	return consumer.Config{
+		Brokers: k.env.brokers,
+		Topics:  []string{k.topic},
+		Group:   k.group,
+		Pool:    k.db.pool,
+		Schema:  k.db.schema,
+		Handler: func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+			it, err := itemOf(msg.ID, msg.Record)
+			if err != nil {
+				return err
+			}
+			return k.db.applyEffect(ctx, tx, it)
+		},
+	}
+}
+
+// runOncely runs an oncely consumer with cfg until ctx is cancelled.
+func runOncely(ctx context.Context, cfg consumer.Config) error {
+	c, err := consumer.New(cfg)
+	if err != nil {
+		return err
+	}
+	return c.Run(ctx)
+}
+
+// runOncelyPerRecord is oncely's default: one transaction per record.
+func runOncelyPerRecord(ctx context.Context, k kafkaRun) error {
+	return runOncely(ctx, oncelyConfig(k))
+}

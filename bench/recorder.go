@@ -1,0 +1,115 @@
+package main
+
+import (
+	"context"
+	"math"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// recorder observes when records' transactions commit. Every mode's pool has
+// it as its pgx tracer; the effect insert notes its record on the
+// transaction's connection, and the connection's next successful "commit"
+// counts those records as done and samples their end-to-end latency (commit
+// end minus the produce time carried in the record). A "rollback" forgets
+// them. The same tracer, with the same cost, runs in every mode.
+type recorder struct {
+	mu      sync.Mutex
+	pending map[*pgx.Conn][]time.Time
+	samples []time.Duration
+	target  int64
+	reached chan struct{}
+
+	done      atomic.Int64 // records whose transaction committed
+	firstCall atomic.Int64 // unix nanoseconds of the first handler call
+	lastDone  atomic.Int64 // unix nanoseconds of the last commit
+}
+
+func newRecorder() *recorder {
+	return &recorder{pending: make(map[*pgx.Conn][]time.Time)}
+}
+
+type txEndKey struct{}
+
+// TraceQueryStart marks the statements that end a transaction.
+func (r *recorder) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	switch data.SQL {
+	case "commit", "rollback":
+		return context.WithValue(ctx, txEndKey{}, data.SQL)
+	}
+	return ctx
+}
+
+// TraceQueryEnd settles the connection's noted records when its transaction
+// ends. A commit that Postgres turned into a rollback (the transaction had
+// failed) reports the command tag ROLLBACK and counts nothing.
+func (r *recorder) TraceQueryEnd(ctx context.Context, conn *pgx.Conn, data pgx.TraceQueryEndData) {
+	end, _ := ctx.Value(txEndKey{}).(string)
+	if end == "" {
+		return
+	}
+	now := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	sent := r.pending[conn]
+	delete(r.pending, conn)
+	if end != "commit" || data.Err != nil || data.CommandTag.String() != "COMMIT" || len(sent) == 0 {
+		return
+	}
+	for _, t := range sent {
+		r.samples = append(r.samples, now.Sub(t))
+	}
+	r.lastDone.Store(now.UnixNano())
+	if n := r.done.Add(int64(len(sent))); r.reached != nil && n >= r.target {
+		close(r.reached)
+		r.reached = nil
+	}
+}
+
+// note records that the transaction on conn carries a record produced at sent.
+func (r *recorder) note(conn *pgx.Conn, sent time.Time) {
+	r.firstCall.CompareAndSwap(0, time.Now().UnixNano())
+	r.mu.Lock()
+	r.pending[conn] = append(r.pending[conn], sent)
+	r.mu.Unlock()
+}
+
+// expect returns a channel closed once n records in all have committed, and
+// clears the latency samples: the next phase samples afresh.
+func (r *recorder) expect(n int64) <-chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ch := make(chan struct{})
+	r.samples = r.samples[:0]
+	if r.done.Load() >= n {
+		close(ch)
+		return ch
+	}
+	r.target, r.reached = n, ch
+	return ch
+}
+
+// percentiles returns the p50 and p99 of the samples taken since expect.
+func (r *recorder) percentiles() (p50, p99 time.Duration) {
+	r.mu.Lock()
+	s := slices.Clone(r.samples)
+	r.mu.Unlock()
+	return percentiles(s)
+}
+
+// percentiles returns the nearest-rank p50 and p99 of s.
+func percentiles(s []time.Duration) (p50, p99 time.Duration) {
+	if len(s) == 0 {
+		return 0, 0
+	}
+	slices.Sort(s)
+	rank := func(p float64) time.Duration {
+		i := int(math.Ceil(p*float64(len(s)))) - 1
+		return s[min(max(i, 0), len(s)-1)]
+	}
+	return rank(0.50), rank(0.99)
+}
