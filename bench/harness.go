@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"time"
 )
 
@@ -105,6 +106,20 @@ func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
 		return runErr
 	}
 
+	if e.opts.progress {
+		go func() {
+			t := time.NewTicker(time.Second)
+			defer t.Stop()
+			for {
+				select {
+				case <-runCtx.Done():
+					return
+				case <-t.C:
+					fmt.Fprintf(os.Stderr, " %d", d.rec.done.Load())
+				}
+			}
+		}()
+	}
 	if err := waitCommitted(d.rec.expect(int64(m.w.records)), done, e.opts.timeout); err != nil {
 		res.err = fmt.Errorf("throughput phase: %w", errors.Join(err, stopRun()))
 		return res

@@ -92,18 +92,21 @@ func ceilingTx(ctx context.Context, tx pgx.Tx, d *db, inbox *dedup.Inbox, group 
 	return d.applyEffects(ctx, tx, items)
 }
 
-// runNaive is an at-least-once consumer without an inbox, written the way a
-// franz-go user would without oncely: poll, one goroutine per partition of
-// the poll, each record in its own transaction with only the effect insert,
-// then a synchronous commit of the polled offsets. A crash between a
-// transaction's commit and the offset commit applies a record twice.
+// runNaive is an at-least-once consumer without an inbox, written the way
+// franz-go's own examples consume a partition per goroutine: the poll loop
+// hands each partition's records to that partition's goroutine, which runs
+// one transaction per record with only the effect insert and then marks the
+// record; marked offsets are committed every second (AutoCommitMarks) and on
+// shutdown. A crash between a transaction's commit and the offset commit
+// applies the record again.
 func runNaive(ctx context.Context, k kafkaRun) error {
 	cl, err := kgo.NewClient(
 		kgo.SeedBrokers(k.env.brokers...),
 		kgo.ConsumerGroup(k.group),
 		kgo.ConsumeTopics(k.topic),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
-		kgo.DisableAutoCommit(),
+		kgo.AutoCommitMarks(),
+		kgo.AutoCommitInterval(time.Second),
 		kgo.BlockRebalanceOnPoll(),
 		kgo.FetchMaxWait(500*time.Millisecond),
 	)
@@ -111,39 +114,63 @@ func runNaive(ctx context.Context, k kafkaRun) error {
 		return err
 	}
 	defer cl.CloseAllowingRebalance()
+
+	workCtx, stopWork := context.WithCancel(ctx)
+	defer stopWork()
+	var (
+		wg      sync.WaitGroup
+		workers = map[int32]chan *kgo.Record{}
+		failed  = make(chan error, 1)
+	)
+	stop := func() error {
+		for _, ch := range workers {
+			close(ch)
+		}
+		wg.Wait()
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		return cl.CommitMarkedOffsets(cctx)
+	}
 	for {
 		fetches := cl.PollFetches(ctx)
 		if ctx.Err() != nil || fetches.IsClientClosed() {
-			return nil
+			return stop()
 		}
-		var (
-			wg   sync.WaitGroup
-			mu   sync.Mutex
-			ferr error
-		)
 		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-			wg.Go(func() {
-				for _, rec := range p.Records {
-					if err := naiveRecord(ctx, k.db, rec); err != nil {
-						mu.Lock()
-						ferr = cmpErr(ferr, err)
-						mu.Unlock()
-						return
+			ch := workers[p.Partition]
+			if ch == nil {
+				ch = make(chan *kgo.Record, 2000)
+				workers[p.Partition] = ch
+				wg.Go(func() {
+					for rec := range ch {
+						if workCtx.Err() != nil {
+							continue // stopping: leave the rest unmarked
+						}
+						if err := naiveRecord(workCtx, k.db, rec); err != nil {
+							select {
+							case failed <- err:
+							default:
+							}
+							stopWork()
+							continue
+						}
+						cl.MarkCommitRecords(rec)
 					}
-				}
-			})
-		})
-		wg.Wait()
-		if ferr != nil {
-			if ctx.Err() != nil {
-				return nil
+				})
 			}
-			return ferr
-		}
-		if err := cl.CommitUncommittedOffsets(ctx); err != nil && ctx.Err() == nil {
-			return fmt.Errorf("commit offsets: %w", err)
-		}
+			for _, rec := range p.Records {
+				select {
+				case ch <- rec:
+				case <-workCtx.Done():
+				}
+			}
+		})
 		cl.AllowRebalance()
+		select {
+		case err := <-failed:
+			return errors.Join(err, stop())
+		default:
+		}
 	}
 }
 
