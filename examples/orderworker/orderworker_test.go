@@ -479,10 +479,11 @@ func longestStall(ctx context.Context, e *env) (time.Duration, int32) {
 func TestSIGTERM(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 4)
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	// Generous bounds: on a loaded machine the backlog takes a while.
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 
-	batch := generate(orderSpec{Count: 6000, Customers: 50}, newRand())
+	batch := generate(orderSpec{Count: 4000, Customers: 50}, newRand())
 	if err := produce(ctx, e.cl, e.topic, batch.Deliveries, 0); err != nil {
 		t.Fatal(err)
 	}
@@ -537,8 +538,8 @@ func TestSIGTERM(t *testing.T) {
 		}
 	}
 	total := len(batch.Orders) + len(extra.Orders)
-	e.waitEffects(ctx, total, 40*time.Second, w2)
-	e.waitPublished(ctx, 20*time.Second, w2)
+	e.waitEffects(ctx, total, 2*time.Minute, w2)
+	e.waitPublished(ctx, 30*time.Second, w2)
 	stopAll(t, w2)
 	processed2, dups2 := stats(t, w2)
 	if processed2 != int64(total)-processed || dups2 != 0 {
