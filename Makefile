@@ -6,7 +6,7 @@ export DATABASE_URL
 GO ?= go
 TEST_FLAGS ?= -race -count=1 -timeout 20m
 
-.PHONY: demo test test-crashpoints test-containers bench lint vet fmt-check
+.PHONY: demo test test-modes test-crashpoints test-containers bench lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -16,10 +16,19 @@ demo:
 test:
 	$(GO) test $(TEST_FLAGS) ./...
 
+## test-modes: the integration suite again in batch mode and in per-key mode
+## (make test runs it in record mode), so every exactly-once test covers every mode
+test-modes:
+	ONCELY_CONSUMER_MODE=batch $(GO) test $(TEST_FLAGS) ./integration_test/
+	ONCELY_CONSUMER_MODE=perkey $(GO) test $(TEST_FLAGS) ./integration_test/
+
 ## test-crashpoints: the named crash-point tests (after DB commit, after the dead-letter
-## produce, after the relay's produce, a zombie mid-handler) repeated, with -race
+## produce, after the relay's produce, a zombie mid-handler) repeated, with -race,
+## five times in record mode and twice in each of batch and per-key mode
 test-crashpoints:
 	$(GO) test -race -count=5 -timeout 20m -run 'Crash|Zombie' ./integration_test/
+	ONCELY_CONSUMER_MODE=batch $(GO) test -race -count=2 -timeout 20m -run 'Crash|Zombie' ./integration_test/
+	ONCELY_CONSUMER_MODE=perkey $(GO) test -race -count=2 -timeout 20m -run 'Crash|Zombie' ./integration_test/
 
 ## test-containers: the integration suite with DATABASE_URL unset, every Postgres
 ## started by testcontainers-go through podman (needs root: installs podman, runc

@@ -29,6 +29,15 @@ import (
 // the exactly-once guarantee and should go through an outbox.
 type Handler func(ctx context.Context, tx pgx.Tx, msg *Message) error
 
+// BatchHandler processes the new messages of one batch inside tx, the
+// transaction whose first statement claimed all of the batch's ids in the
+// inbox (see Config.BatchSize). msgs holds only messages not processed
+// before, in offset order; it is never empty. A nil return commits them all
+// together. An error (or a panic) rolls the whole batch back; each of its
+// records is then retried alone on the record path, through Handler when it
+// is set and otherwise through BatchHandler with a one-message batch.
+type BatchHandler func(ctx context.Context, tx pgx.Tx, msgs []*Message) error
+
 // KeyFunc derives a record's dedup id. An error, or an empty id, makes the
 // record undecodable: it is dead-lettered at once.
 type KeyFunc func(rec *kgo.Record) (string, error)
@@ -51,8 +60,38 @@ type Config struct {
 	Group string
 	// Pool runs the transactions. Required.
 	Pool *pgxpool.Pool
-	// Handler processes new messages. Required.
+	// Handler processes new messages. Required unless BatchHandler is set.
 	Handler Handler
+
+	// BatchSize above 1 turns on batch mode: up to BatchSize records of a
+	// partition share one transaction. Their ids are claimed in the inbox
+	// with one multi-row statement; with Handler, each new record runs under
+	// a savepoint of its own, so a failing record rolls back alone and is
+	// retried (or dead-lettered) on the record path after the batch
+	// committed, without redoing the others; later records with the same key
+	// wait for it, keeping per-key order. Default 1: a transaction per record.
+	BatchSize int
+	// BatchMaxWait is how long a batch may wait for more records of its
+	// partition once it has one; it never waits when the partition has no
+	// more records to fetch. Default 5ms.
+	BatchMaxWait time.Duration
+	// BatchHandler, when set with BatchSize above 1, receives all new
+	// records of a batch at once instead of Handler running per record.
+	BatchHandler BatchHandler
+
+	// KeyParallelism above 1 processes records of one partition that have
+	// different keys concurrently, up to KeyParallelism at a time; records
+	// with the same key (and all records without a key, as one key) stay in
+	// offset order. The committed offset is the low watermark: the offset
+	// below which every record finished. It pays off for handlers that wait
+	// (on I/O, locks, remote calls) rather than for cheap ones, whose cost is
+	// the commit: use BatchSize for those. The two cannot be combined.
+	// Default 1: a partition's records one after another.
+	KeyParallelism int
+	// Concurrency bounds the transactions in flight across all partitions
+	// and keys; records wait for a slot rather than for a pool connection.
+	// Default: the Pool's MaxConns.
+	Concurrency int
 
 	// Schema holds oncely's tables (see package migrations). Default "oncely".
 	Schema string
@@ -170,6 +209,12 @@ func (cfg *Config) setDefaults() {
 	cfg.MaxBufferedRecords = cmp.Or(cfg.MaxBufferedRecords, 2000)
 	cfg.MaxPollRecords = cmp.Or(cfg.MaxPollRecords, 1000)
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	cfg.BatchSize = cmp.Or(cfg.BatchSize, 1)
+	cfg.BatchMaxWait = cmp.Or(cfg.BatchMaxWait, 5*time.Millisecond)
+	cfg.KeyParallelism = cmp.Or(cfg.KeyParallelism, 1)
+	if cfg.Concurrency == 0 && cfg.Pool != nil {
+		cfg.Concurrency = int(cfg.Pool.Config().MaxConns)
+	}
 }
 
 func (cfg *Config) validate() error {
@@ -182,8 +227,10 @@ func (cfg *Config) validate() error {
 		return invalid("Group", "a consumer group is required")
 	case cfg.Pool == nil:
 		return invalid("Pool", "a *pgxpool.Pool is required")
-	case cfg.Handler == nil:
+	case cfg.Handler == nil && cfg.BatchHandler == nil:
 		return invalid("Handler", "a handler is required")
+	case cfg.BatchHandler != nil && cfg.BatchSize < 2:
+		return invalid("BatchHandler", "needs BatchSize above 1, got %d", cfg.BatchSize)
 	}
 	for i, b := range cfg.Brokers {
 		if b == "" {
@@ -206,6 +253,7 @@ func (cfg *Config) validate() error {
 		{"RetryBaseDelay", cfg.RetryBaseDelay}, {"RetryMaxDelay", cfg.RetryMaxDelay},
 		{"CommitInterval", cfg.CommitInterval}, {"RevokeTimeout", cfg.RevokeTimeout},
 		{"ShutdownTimeout", cfg.ShutdownTimeout}, {"DeadLetterTimeout", cfg.DeadLetterTimeout},
+		{"BatchMaxWait", cfg.BatchMaxWait},
 	} {
 		if d.v < 0 {
 			return invalid(d.field, "must not be negative, got %s", d.v)
@@ -233,6 +281,18 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.MaxPollRecords < 1 {
 		return invalid("MaxPollRecords", "must be at least 1, got %d", cfg.MaxPollRecords)
+	}
+	for _, n := range []struct {
+		field string
+		v     int
+	}{{"BatchSize", cfg.BatchSize}, {"KeyParallelism", cfg.KeyParallelism}, {"Concurrency", cfg.Concurrency}} {
+		if n.v < 1 {
+			return invalid(n.field, "must be at least 1, got %d", n.v)
+		}
+	}
+	if cfg.BatchSize > 1 && cfg.KeyParallelism > 1 {
+		return invalid("KeyParallelism", "cannot be combined with BatchSize above 1 (got %d and %d): batches suit cheap handlers, key parallelism slow ones",
+			cfg.KeyParallelism, cfg.BatchSize)
 	}
 	return nil
 }

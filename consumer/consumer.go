@@ -40,8 +40,11 @@ type Consumer struct {
 	meter   metric.Meter
 	metrics *instruments
 
+	// handler runs one record: Handler, or BatchHandler with a batch of one.
+	handler Handler
+
 	processed, duplicates, retries, commits, held atomic.Int64
-	deadLettered, deadLetterErrs                  atomic.Int64
+	deadLettered, deadLetterErrs, batches         atomic.Int64
 }
 
 // New validates cfg and returns a Consumer. Errors name the offending field
@@ -60,7 +63,15 @@ func New(cfg Config) (*Consumer, error) {
 	if err != nil {
 		return nil, err
 	}
+	handler := cfg.Handler
+	if handler == nil {
+		bh := cfg.BatchHandler
+		handler = func(ctx context.Context, tx pgx.Tx, msg *Message) error {
+			return bh(ctx, tx, []*Message{msg})
+		}
+	}
 	return &Consumer{
+		handler: handler,
 		cfg:     cfg,
 		inbox:   inbox,
 		backoff: backoff.Policy{Base: cfg.RetryBaseDelay, Max: cfg.RetryMaxDelay},
@@ -79,6 +90,7 @@ func (c *Consumer) Stats() Stats {
 		DeadLettered:   c.deadLettered.Load(),
 		DeadLetterErrs: c.deadLetterErrs.Load(),
 		OffsetCommits:  c.commits.Load(),
+		Batches:        c.batches.Load(),
 		PartitionsHeld: c.held.Load(),
 	}
 }
@@ -100,6 +112,9 @@ type run struct {
 
 	cancelPoll context.CancelFunc // stops the poll loop
 	workCtx    context.Context    // parent of worker contexts; survives Run's ctx for the drain
+
+	// slots bounds the transactions in flight (Config.Concurrency).
+	slots chan struct{}
 
 	mu      sync.Mutex
 	workers map[tp]*worker
@@ -134,6 +149,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		cancelPoll: cancelPoll,
 		workCtx:    workCtx,
 		workers:    make(map[tp]*worker),
+		slots:      make(chan struct{}, c.cfg.Concurrency),
 	}
 
 	opts := []kgo.Opt{
@@ -505,19 +521,9 @@ func (w *worker) next() (*kgo.Record, bool) {
 			return nil, false
 		default:
 		}
-		w.mu.Lock()
-		if len(w.queue) > 0 {
-			rec := w.queue[0]
-			w.queue[0] = nil
-			w.queue = w.queue[1:]
-			if w.paused && len(w.queue) <= w.r.c.cfg.MaxBufferedRecords/2 {
-				w.paused = false
-				w.r.cl.ResumeFetchPartitions(map[string][]int32{w.tp.topic: {w.tp.partition}})
-			}
-			w.mu.Unlock()
+		if rec, ok := w.pop(); ok {
 			return rec, true
 		}
-		w.mu.Unlock()
 		select {
 		case <-w.stop:
 			return nil, false
@@ -528,6 +534,19 @@ func (w *worker) next() (*kgo.Record, bool) {
 
 func (w *worker) loop() {
 	defer close(w.done)
+	switch cfg := &w.r.c.cfg; {
+	case cfg.KeyParallelism > 1:
+		w.loopKeys(cfg.KeyParallelism)
+	case cfg.BatchSize > 1:
+		w.loopBatches(cfg.BatchSize)
+	default:
+		w.loopRecords()
+	}
+}
+
+// loopRecords processes the partition's records one after another, each in
+// its own transaction.
+func (w *worker) loopRecords() {
 	for {
 		rec, ok := w.next()
 		if !ok {
@@ -537,12 +556,32 @@ func (w *worker) loop() {
 		if !w.process(rec) {
 			return
 		}
-		w.mu.Lock()
-		w.mark = kgo.EpochOffset{Epoch: rec.LeaderEpoch, Offset: rec.Offset + 1}
-		w.hasMark = true
-		w.mu.Unlock()
+		w.markDone(rec)
 	}
 }
+
+// markDone marks the offset after rec: every record up to rec is finished.
+func (w *worker) markDone(rec *kgo.Record) {
+	w.mu.Lock()
+	w.mark = kgo.EpochOffset{Epoch: rec.LeaderEpoch, Offset: rec.Offset + 1}
+	w.hasMark = true
+	w.mu.Unlock()
+}
+
+// acquire takes a transaction slot (Config.Concurrency); it gives up (false)
+// when the worker is stopped or abandoned first.
+func (w *worker) acquire() bool {
+	select {
+	case w.r.slots <- struct{}{}:
+		return true
+	case <-w.stop:
+		return false
+	case <-w.ctx.Done():
+		return false
+	}
+}
+
+func (w *worker) release() { <-w.r.slots }
 
 func (w *worker) dirtyMark() (kgo.EpochOffset, bool) {
 	w.mu.Lock()
@@ -610,9 +649,25 @@ func (w *worker) process(rec *kgo.Record) bool {
 			err: fmt.Errorf("record of %d bytes exceeds MaxRecordBytes %d", size, c.cfg.MaxRecordBytes),
 		})
 	}
+	return w.retry(rec, nil)
+}
+
+// retry runs attempts for rec as process does. prior, when not nil, is an
+// attempt already made and failed (in a batch transaction); it counts.
+func (w *worker) retry(rec *kgo.Record, prior *result) bool {
+	c := w.r.c
 	var f failure
 	for n := 1; ; n++ {
-		res := c.attempt(w.ctx, rec, f.attempts+1)
+		var res result
+		if n == 1 && prior != nil {
+			res = *prior
+		} else {
+			if !w.acquire() {
+				return false
+			}
+			res = c.attempt(w.ctx, rec, f.attempts+1)
+			w.release()
+		}
 		switch {
 		case res.err == nil:
 			c.dbDown.Store(false)
@@ -810,6 +865,7 @@ func isRedrive(rec *kgo.Record) bool {
 type result struct {
 	id        string
 	duplicate bool
+	deferred  bool // batch mode: not run, an earlier record with its key failed
 	err       error
 	infra     bool // the database, not the handler, failed
 
@@ -857,12 +913,7 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		res.duplicate = true
 		return res
 	}
-	msg := &Message{
-		ID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
-		Key: rec.Key, Value: rec.Value, Headers: rec.Headers, Timestamp: rec.Timestamp,
-		Attempt: attempt, Record: rec,
-	}
-	if err := callHandler(ctx, c.cfg.Handler, tx, msg); err != nil {
+	if err := callHandler(ctx, c.handler, tx, newMessage(rec, id, attempt)); err != nil {
 		res.err, res.infra = err, tx.Conn().IsClosed()
 		return res
 	}
@@ -932,12 +983,19 @@ func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo
 }
 
 func callHandler(ctx context.Context, h Handler, tx pgx.Tx, msg *Message) (err error) {
-	defer func() {
-		if v := recover(); v != nil {
-			err = &PanicError{Value: v, Stack: debug.Stack()}
-		}
-	}()
+	defer recoverPanic(&err)
 	return h(ctx, tx, msg)
+}
+
+func callBatchHandler(ctx context.Context, h BatchHandler, tx pgx.Tx, msgs []*Message) (err error) {
+	defer recoverPanic(&err)
+	return h(ctx, tx, msgs)
+}
+
+func recoverPanic(err *error) {
+	if v := recover(); v != nil {
+		*err = &PanicError{Value: v, Stack: debug.Stack()}
+	}
 }
 
 // messageID returns the dedup id of rec: KeyFunc, else the message-id

@@ -36,6 +36,24 @@
 // if the inbox holds its id as dead-lettered, and is a duplicate if the id
 // was processed since.
 //
+// # Batches and key parallelism
+//
+// With Config.BatchSize above 1, up to BatchSize records of a partition
+// share a transaction: one multi-row inbox claim (dedup.Inbox.ClaimMany),
+// then each new record's Handler under a savepoint of its own (or one
+// BatchHandler call for all of them), one commit, then the offsets. A record
+// whose handler fails is rolled back to its savepoint and its claim released
+// (dedup.Inbox.Release); after the commit it is retried on the record path
+// above, and so are the later records of the batch with its key, in order.
+// Records that cannot join a batch (oversized, an undecodable id, a redrive)
+// take the record path in their place.
+//
+// With Config.KeyParallelism above 1, a partition's records with different
+// keys run concurrently, up to KeyParallelism at a time, and records with
+// the same key in offset order. The marked offset is the low watermark. In
+// both modes the order across keys may change (never within a key); per
+// partition, Config.Concurrency bounds the transactions in flight.
+//
 // # Where duplicates are possible, and why they do no harm
 //
 // Offsets are an optimisation. A record's offset is committed only after its

@@ -24,6 +24,14 @@ type Message struct {
 	Record *kgo.Record
 }
 
+func newMessage(rec *kgo.Record, id string, attempt int) *Message {
+	return &Message{
+		ID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
+		Key: rec.Key, Value: rec.Value, Headers: rec.Headers, Timestamp: rec.Timestamp,
+		Attempt: attempt, Record: rec,
+	}
+}
+
 // Header returns the value of the first header named key.
 func (m *Message) Header(key string) (string, bool) {
 	for _, h := range m.Headers {
@@ -50,5 +58,6 @@ type Stats struct {
 	DeadLettered   int64 // records written to a dead-letter topic and recorded in the inbox
 	DeadLetterErrs int64 // failed dead-letter produces (each retried)
 	OffsetCommits  int64 // successful offset commit requests
+	Batches        int64 // batch transactions committed (batch mode)
 	PartitionsHeld int64 // partitions with a live worker right now
 }

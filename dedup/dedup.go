@@ -60,6 +60,7 @@ type Inbox struct {
 	claimMany string
 	setOut    string
 	lookup    string
+	release   string
 }
 
 // New returns an Inbox for the configured schema.
@@ -85,8 +86,9 @@ func New(cfg Config) (*Inbox, error) {
 			FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[]) AS u(id, topic, part, off, outcome)
 			ON CONFLICT (consumer_group, message_id) DO NOTHING
 			RETURNING message_id`,
-		setOut: `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND message_id = $2`,
-		lookup: `SELECT outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
+		setOut:  `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND message_id = $2`,
+		lookup:  `SELECT outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
+		release: `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
 	}, nil
 }
 
@@ -191,6 +193,17 @@ func (in *Inbox) SetOutcome(ctx context.Context, tx DBTX, group, messageID strin
 	}
 	if tag.RowsAffected() == 0 {
 		return fmt.Errorf("dedup: set outcome of %q: %w", messageID, ErrNotClaimed)
+	}
+	return nil
+}
+
+// Release deletes a claim that tx made earlier, for a message whose effects
+// tx rolled back to a savepoint taken after the claim: the message is then
+// new again, for a later transaction (or a concurrent one waiting on the
+// claim) to process. Never release a claim tx did not make.
+func (in *Inbox) Release(ctx context.Context, tx DBTX, group, messageID string) error {
+	if _, err := tx.Exec(ctx, in.release, group, messageID); err != nil {
+		return fmt.Errorf("dedup: release %q: %w", messageID, err)
 	}
 	return nil
 }

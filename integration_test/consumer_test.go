@@ -95,9 +95,13 @@ func TestCrashAfterDBCommitBeforeOffsetCommit(t *testing.T) {
 		return s.Processed+s.Duplicates == n && e.committedLag(t) == 0
 	})
 	e.assertExactlyOnce(t, n)
+	// Every record the first member committed, including any whose commit
+	// was still on its way to the server when the count above ran, came
+	// back to the second member and was skipped.
+	byFirst := e.count(t, `SELECT count(*) FROM effects WHERE member = 'a'`)
 	s := second.c.Stats()
-	if s.Duplicates != applied || s.Processed != n-applied {
-		t.Errorf("second member stats %+v: want %d duplicates (the redelivered committed records) and %d processed", s, applied, n-applied)
+	if byFirst < applied || s.Duplicates != byFirst || s.Processed != n-byFirst {
+		t.Errorf("second member stats %+v: want %d duplicates (the redelivered records the first member committed) and %d processed", s, byFirst, n-byFirst)
 	}
 	if err := second.stop(t); err != nil {
 		t.Fatal(err)
@@ -198,19 +202,33 @@ func TestRebalanceMidStream(t *testing.T) {
 	})
 	e.assertExactlyOnce(t, n)
 
-	// Per partition, effects in commit order have strictly rising offsets.
-	rows, err := e.db.Pool.Query(context.Background(), `SELECT partition, "offset" FROM effects ORDER BY seq`)
+	// Per partition (per key of a partition, with key parallelism),
+	// effects in commit order have strictly rising offsets.
+	rows, err := e.db.Pool.Query(context.Background(), `SELECT partition, "offset", message_id FROM effects ORDER BY seq`)
 	if err != nil {
 		t.Fatal(err)
 	}
-	last := map[int32]int64{}
+	type lane struct {
+		partition int32
+		key       int
+	}
+	last := map[lane]int64{}
 	var p int32
 	var off int64
-	if _, err := pgx.ForEachRow(rows, []any{&p, &off}, func() error {
-		if prev, ok := last[p]; ok && off <= prev {
-			return fmt.Errorf("partition %d: offset %d applied after %d", p, off, prev)
+	var id string
+	if _, err := pgx.ForEachRow(rows, []any{&p, &off, &id}, func() error {
+		l := lane{partition: p}
+		if consumerMode.keyParallelism > 1 {
+			var i int
+			if _, err := fmt.Sscanf(id, "r-%d", &i); err != nil {
+				return err
+			}
+			l.key = keyOf(i, partitions)
 		}
-		last[p] = off
+		if prev, ok := last[l]; ok && off <= prev {
+			return fmt.Errorf("%+v: offset %d applied after %d", l, off, prev)
+		}
+		last[l] = off
 		return nil
 	}); err != nil {
 		t.Error(err)

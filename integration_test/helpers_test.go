@@ -69,7 +69,7 @@ func (e *env) config(member string, h consumer.Handler) consumer.Config {
 		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("member", member)
 		opts = append(opts, kgo.WithLogger(kgo.BasicLogger(os.Stderr, kgo.LogLevelInfo, func() string { return member + " " })))
 	}
-	return consumer.Config{
+	cfg := consumer.Config{
 		Logger:         logger,
 		ClientOpts:     opts,
 		Brokers:        e.kafka.Brokers,
@@ -83,6 +83,40 @@ func (e *env) config(member string, h consumer.Handler) consumer.Config {
 		CommitInterval: 100 * time.Millisecond,
 		SessionTimeout: 6 * time.Second,
 	}
+	consumerMode.apply(&cfg)
+	return cfg
+}
+
+// mode is one of the consumer's processing modes. The whole suite runs in
+// the mode named by ONCELY_CONSUMER_MODE (record, batch or perkey; default
+// record), so every exactly-once test covers every mode: `make test-modes`.
+type mode struct {
+	name           string
+	batchSize      int
+	keyParallelism int
+}
+
+var modes = map[string]mode{
+	"record": {name: "record"},
+	"batch":  {name: "batch", batchSize: 64},
+	"perkey": {name: "perkey", keyParallelism: 8},
+}
+
+var consumerMode = func() mode {
+	name := os.Getenv("ONCELY_CONSUMER_MODE")
+	if name == "" {
+		return modes["record"]
+	}
+	m, ok := modes[name]
+	if !ok {
+		panic(fmt.Sprintf("ONCELY_CONSUMER_MODE=%q: want record, batch or perkey", name))
+	}
+	return m
+}()
+
+func (m mode) apply(cfg *consumer.Config) {
+	cfg.BatchSize = m.batchSize
+	cfg.KeyParallelism = m.keyParallelism
 }
 
 // recordEffect is the effect every test handler applies: one row.
@@ -154,10 +188,12 @@ func (m *member) wait(t *testing.T, d time.Duration) error {
 	}
 }
 
-// msg is a record to produce: a message id header and a partition.
+// msg is a record to produce: a message id header, a partition and a key
+// (none when empty).
 type msg struct {
 	id        string
 	partition int32
+	key       string
 }
 
 func (e *env) produce(t *testing.T, msgs []msg) {
@@ -169,10 +205,14 @@ func (e *env) produce(t *testing.T, msgs []msg) {
 	for i := 0; i < len(msgs); i += chunk {
 		var recs []*kgo.Record
 		for _, m := range msgs[i:min(i+chunk, len(msgs))] {
-			recs = append(recs, &kgo.Record{
+			rec := &kgo.Record{
 				Topic: e.topic, Partition: m.partition, Value: []byte(m.id),
 				Headers: []kgo.RecordHeader{{Key: "message-id", Value: []byte(m.id)}},
-			})
+			}
+			if m.key != "" {
+				rec.Key = []byte(m.key)
+			}
+			recs = append(recs, rec)
 		}
 		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
 			t.Fatalf("produce: %v", err)
@@ -243,10 +283,15 @@ func (e *env) committedOffset(t *testing.T, partition int32) int64 {
 func uniqueMsgs(prefix string, n int, partitions int32) []msg {
 	out := make([]msg, n)
 	for i := range out {
-		out[i] = msg{id: fmt.Sprintf("%s-%d", prefix, i), partition: int32(i) % partitions}
+		out[i] = msg{id: fmt.Sprintf("%s-%d", prefix, i), partition: int32(i) % partitions,
+			key: fmt.Sprintf("key-%d", keyOf(i, partitions))}
 	}
 	return out
 }
+
+// keyOf is the key uniqueMsgs gives its i-th message: 16 keys per
+// partition, so that per-key mode has work to run side by side.
+func keyOf(i int, partitions int32) int { return (i / int(partitions)) % 16 }
 
 // assertExactlyOnce checks that every id has exactly one effect.
 func (e *env) assertExactlyOnce(t *testing.T, want int64) {

@@ -55,6 +55,7 @@ import (
 	"os"
 	"os/signal"
 	"regexp"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -140,6 +141,8 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	fs.StringVar(&cfg.DatabaseURL, "database-url", "", "Postgres URL (env DATABASE_URL; default "+defaultDatabaseURL+")")
 	fs.StringVar(&cfg.Group, "group", envOr(getenv, "CONSUMER_GROUP", "orderworker"), "consumer group, also the dedup scope (env CONSUMER_GROUP)")
 	fs.StringVar(&cfg.HTTPAddr, "http-addr", envOr(getenv, "HTTP_ADDR", "127.0.0.1:8080"), "address of GET /healthz, GET /metrics, POST /orders and POST /webhooks/orders; port 0 picks one (env HTTP_ADDR)")
+	batchSize := fs.String("batch-size", envOr(getenv, "BATCH_SIZE", "100"), "records of a partition per transaction, one inbox claim for all (env BATCH_SIZE); 1: a transaction per record; with --key-parallelism above 1 the default is 1")
+	keyPar := fs.String("key-parallelism", envOr(getenv, "KEY_PARALLELISM", "1"), "customers of one partition processed at once, each customer's orders in order (env KEY_PARALLELISM); for slow handlers, instead of batches")
 	session := fs.String("session-timeout", envOr(getenv, "SESSION_TIMEOUT", "10s"), "group session timeout, a Go duration (env SESSION_TIMEOUT)")
 	fs.StringVar(&cfg.InstanceID, "instance-id", getenv("INSTANCE_ID"), "static group membership id, unique per live instance (env INSTANCE_ID)")
 	fs.StringVar(&cfg.Schema, "schema", envOr(getenv, "ONCELY_SCHEMA", "orderworker"), "schema of oncely's and the example's tables (env ONCELY_SCHEMA)")
@@ -168,6 +171,18 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 
 	if cfg.Brokers, err = parseBrokers(*brokers); err != nil {
 		return cfg, invalidFlag("--brokers (KAFKA_BROKERS)", err)
+	}
+	if cfg.KeyParallelism, err = strconv.Atoi(*keyPar); err != nil || cfg.KeyParallelism < 1 {
+		return cfg, invalidFlag("--key-parallelism (KEY_PARALLELISM)", fmt.Errorf("want a whole number of at least 1, got %q", *keyPar))
+	}
+	if cfg.KeyParallelism > 1 && !flagSet(fs, "batch-size") && getenv("BATCH_SIZE") == "" {
+		*batchSize = "1"
+	}
+	if cfg.BatchSize, err = strconv.Atoi(*batchSize); err != nil || cfg.BatchSize < 1 {
+		return cfg, invalidFlag("--batch-size (BATCH_SIZE)", fmt.Errorf("want a whole number of at least 1, got %q", *batchSize))
+	}
+	if cfg.BatchSize > 1 && cfg.KeyParallelism > 1 {
+		return cfg, invalidFlag("--batch-size (BATCH_SIZE)", fmt.Errorf("%d cannot be combined with --key-parallelism %d: batches suit cheap handlers, key parallelism slow ones", cfg.BatchSize, cfg.KeyParallelism))
 	}
 	if cfg.SessionTimeout, err = time.ParseDuration(*session); err != nil || cfg.SessionTimeout <= 0 {
 		return cfg, invalidFlag("--session-timeout (SESSION_TIMEOUT)", fmt.Errorf("want a positive Go duration such as 10s, got %q", *session))

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -230,6 +231,8 @@ type workerConfig struct {
 	SessionTimeout time.Duration
 	InstanceID     string
 	Schema         string
+	BatchSize      int // records per transaction (consumer.Config.BatchSize)
+	KeyParallelism int // customers of a partition processed at once
 
 	// Telemetry. The OTLP exporters read the standard OTEL_EXPORTER_OTLP_*
 	// variables themselves; these say whether to start them.
@@ -265,7 +268,16 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 	// shared by the partition workers and the relay (whose LISTEN takes a
 	// connection of its own). Partition workers beyond that wait for a
 	// connection. Tune with pool_max_conns in the URL.
-	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	pcfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return err
+	}
+	// Per-key lanes need a connection each, plus the relay's and the
+	// HTTP handlers'; pool_max_conns in the URL wins.
+	if !strings.Contains(cfg.DatabaseURL, "pool_max_conns") {
+		pcfg.MaxConns = max(pcfg.MaxConns, int32(cfg.KeyParallelism)+4)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		return fmt.Errorf("orderworker: database: %w", err)
 	}
@@ -334,6 +346,8 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		Group:           cfg.Group,
 		Pool:            pool,
 		Handler:         st.handler(),
+		BatchSize:       cfg.BatchSize,
+		KeyParallelism:  cfg.KeyParallelism,
 		Schema:          cfg.Schema,
 		InstanceID:      cfg.InstanceID,
 		SessionTimeout:  cfg.SessionTimeout,

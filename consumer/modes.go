@@ -1,0 +1,405 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/internal/telemetry"
+)
+
+// pop takes the next buffered record without waiting, resuming the
+// partition's fetches once the buffer has drained to half.
+func (w *worker) pop() (*kgo.Record, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.queue) == 0 {
+		return nil, false
+	}
+	rec := w.queue[0]
+	w.queue[0] = nil
+	w.queue = w.queue[1:]
+	if w.paused && len(w.queue) <= w.r.c.cfg.MaxBufferedRecords/2 {
+		w.paused = false
+		w.r.cl.ResumeFetchPartitions(map[string][]int32{w.tp.topic: {w.tp.partition}})
+	}
+	return rec, true
+}
+
+// ---- batch mode ----
+
+// loopBatches processes the partition's records in batches of up to size
+// records, a transaction per batch.
+func (w *worker) loopBatches(size int) {
+	batch := make([]*kgo.Record, 0, size)
+	for {
+		var ok bool
+		if batch, ok = w.nextBatch(batch[:0], size); !ok {
+			return
+		}
+		for _, rec := range batch {
+			w.r.c.metrics.consumed.Add(w.ctx, 1, w.r.c.topicAttrs(rec))
+		}
+		if !w.processBatch(batch) {
+			return
+		}
+	}
+}
+
+// nextBatch waits for a record, then gathers up to size records, waiting up
+// to BatchMaxWait for more unless the partition has nothing more to fetch.
+// It reports false when the worker is stopped first.
+func (w *worker) nextBatch(batch []*kgo.Record, size int) ([]*kgo.Record, bool) {
+	rec, ok := w.next()
+	if !ok {
+		return nil, false
+	}
+	batch = append(batch, rec)
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	for len(batch) < size {
+		if rec, ok := w.pop(); ok {
+			batch = append(batch, rec)
+			continue
+		}
+		if batch[len(batch)-1].Offset+1 >= w.hwm.Load() {
+			return batch, true // caught up: nothing more to wait for
+		}
+		if timer == nil {
+			timer = time.NewTimer(w.r.c.cfg.BatchMaxWait)
+		}
+		select {
+		case <-w.wake:
+		case <-timer.C:
+			return batch, true
+		case <-w.stop:
+			return nil, false
+		}
+	}
+	return batch, true
+}
+
+// processBatch processes recs in offset order and marks their offsets.
+// Records that cannot join a batch (oversized, an undecodable id, a
+// redrive) take the record path in their place; the others share
+// transactions.
+func (w *worker) processBatch(recs []*kgo.Record) bool {
+	c := w.r.c
+	seg, ids := make([]*kgo.Record, 0, len(recs)), make([]string, 0, len(recs))
+	flush := func() bool {
+		if len(seg) == 0 {
+			return true
+		}
+		if !w.runBatch(seg, ids) {
+			return false
+		}
+		w.markDone(seg[len(seg)-1])
+		seg, ids = seg[:0], ids[:0]
+		return true
+	}
+	for _, rec := range recs {
+		id, err := c.messageID(rec)
+		alone := err != nil || isRedrive(rec) || (c.cfg.MaxRecordBytes > 0 && recordSize(rec) > c.cfg.MaxRecordBytes)
+		if !alone {
+			seg, ids = append(seg, rec), append(ids, id)
+			continue
+		}
+		if !flush() || !w.process(rec) {
+			return false
+		}
+		w.markDone(rec)
+	}
+	return flush()
+}
+
+// runBatch processes recs in one transaction, retrying it while the database
+// is unreachable. Records whose handler failed in it (and records after them
+// with the same key) are then processed on the record path, in order.
+func (w *worker) runBatch(recs []*kgo.Record, ids []string) bool {
+	c := w.r.c
+	for n := 1; ; n++ {
+		if !w.acquire() {
+			return false
+		}
+		outs, err, infra := c.attemptBatch(w.ctx, recs, ids)
+		w.release()
+		switch {
+		case err == nil:
+		case w.ctx.Err() != nil:
+			return false // abandoned: the transaction rolled back
+		case infra:
+			c.dbDown.Store(true)
+			delay := c.backoff.Delay(n)
+			c.cfg.Logger.Warn("oncely batch failed on the database; retrying", "topic", recs[0].Topic,
+				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "delay", delay, "err", err)
+			if !w.sleep(delay) {
+				return false
+			}
+			continue
+		default:
+			// The batch handler (or the commit) failed as a whole: which
+			// record caused it is unknown, so each one runs alone.
+			c.dbDown.Store(false)
+			c.cfg.Logger.Warn("oncely batch failed; processing its records one by one", "topic", recs[0].Topic,
+				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "err", err)
+			for _, rec := range recs {
+				if !w.process(rec) {
+					return false
+				}
+			}
+			return true
+		}
+		c.dbDown.Store(false)
+		c.batches.Add(1)
+		for i, rec := range recs {
+			switch o := &outs[i]; {
+			case o.deferred || o.err != nil:
+				continue
+			case o.duplicate:
+				c.duplicates.Add(1)
+				c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
+			default:
+				c.processed.Add(1)
+			}
+			if !w.hook(w.r.hooks.AfterCommit, rec) {
+				return false
+			}
+		}
+		for i, rec := range recs {
+			o := &outs[i]
+			if o.err == nil && !o.deferred {
+				continue
+			}
+			if i > 0 {
+				w.markDone(recs[i-1]) // all before rec finished
+			}
+			if o.err != nil && !w.retry(rec, o) || o.deferred && !w.process(rec) {
+				return false
+			}
+		}
+		return true
+	}
+}
+
+// savepoint is taken before each record's handler in a batch transaction.
+const savepoint = "oncely_record"
+
+// attemptBatch runs one batch transaction: a multi-row inbox claim first,
+// then the handler for each new record under a savepoint of its own (or the
+// batch handler once), then commit. outs, aligned with recs, tell each
+// record's fate: a duplicate; deferred (not run, because an earlier record
+// with its key failed); failed (err set: its effects and claim were rolled
+// back to its savepoint); or committed. A non-nil err means the whole
+// transaction rolled back; infra tells a database failure from a handler's.
+func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []string) (outs []result, err error, infra bool) {
+	start := time.Now()
+	outs = make([]result, len(recs))
+	type span struct {
+		i    int
+		ctx  context.Context
+		span trace.Span
+	}
+	var spans []span
+	defer func() {
+		for _, s := range spans {
+			res := outs[s.i]
+			if err != nil && res.err == nil {
+				res.err, res.infra = err, infra
+			}
+			c.endProcessSpan(s.ctx, s.span, recs[s.i], start, res)
+		}
+	}()
+	startSpan := func(i int) context.Context {
+		sctx, sp := c.startProcessSpan(ctx, recs[i], ids[i], 1)
+		spans = append(spans, span{i, sctx, sp})
+		outs[i].spanContext = sp.SpanContext()
+		outs[i].traceparent, outs[i].tracestate = telemetry.TraceContext(sctx)
+		return sctx
+	}
+
+	tx, err := c.cfg.Pool.Begin(ctx)
+	if err != nil {
+		return outs, fmt.Errorf("consumer: begin: %w", err), true
+	}
+	defer func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = tx.Rollback(rctx) // no-op after commit
+	}()
+	entries := make([]dedup.Entry, len(recs))
+	for i, rec := range recs {
+		outs[i].id = ids[i]
+		entries[i] = dedup.Entry{Group: c.cfg.Group, MessageID: ids[i], Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset}
+	}
+	claimed, err := c.inbox.ClaimMany(ctx, tx, c.cfg.Group, entries)
+	if err != nil {
+		return outs, err, true
+	}
+
+	var msgs []*Message // for the batch handler
+	failedKeys := make(map[string]bool)
+	inSavepoint := false
+	for i, rec := range recs {
+		switch {
+		case !claimed[i]:
+			outs[i].duplicate = true
+			startSpan(i)
+			continue
+		case failedKeys[string(rec.Key)]:
+			outs[i].deferred = true
+			if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
+				return outs, err, true
+			}
+			continue
+		}
+		sctx := startSpan(i)
+		msg := newMessage(rec, ids[i], 1)
+		if c.cfg.BatchHandler != nil {
+			msgs = append(msgs, msg)
+			continue
+		}
+		// One round trip ends the previous record's savepoint and opens
+		// this one's (simple protocol: no arguments).
+		sp := "SAVEPOINT " + savepoint
+		if inSavepoint {
+			sp = "RELEASE SAVEPOINT " + savepoint + "; " + sp
+		}
+		if _, err := tx.Exec(ctx, sp); err != nil {
+			return outs, fmt.Errorf("consumer: savepoint: %w", err), true
+		}
+		inSavepoint = true
+		herr := callHandler(sctx, c.handler, tx, msg)
+		if herr == nil {
+			continue
+		}
+		if tx.Conn().IsClosed() {
+			return outs, herr, true
+		}
+		if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {
+			return outs, fmt.Errorf("consumer: rollback to savepoint: %w", err), true
+		}
+		if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
+			return outs, err, true
+		}
+		outs[i].err = herr
+		failedKeys[string(rec.Key)] = true
+	}
+	if len(msgs) > 0 {
+		if err := callBatchHandler(ctx, c.cfg.BatchHandler, tx, msgs); err != nil {
+			return outs, err, tx.Conn().IsClosed()
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return outs, fmt.Errorf("consumer: commit: %w", err), tx.Conn().IsClosed()
+	}
+	return outs, nil, false
+}
+
+// ---- per-key parallel mode ----
+
+// keyTask is one record in per-key mode.
+type keyTask struct {
+	rec  *kgo.Record
+	key  string
+	ok   bool // processed (or dead-lettered)
+	done bool
+}
+
+// loopKeys processes the partition's records with up to lanes at once:
+// records with different keys concurrently, records with the same key in
+// offset order. A record waits, off the buffer, while an earlier record
+// with its key runs; at most MaxBufferedRecords records wait so. The marked
+// offset is the low watermark: the first record not yet finished.
+func (w *worker) loopKeys(lanes int) {
+	tasks := make(chan *keyTask)
+	results := make(chan *keyTask, lanes)
+	laneDone := make(chan struct{})
+	for range lanes {
+		go func() {
+			defer func() { laneDone <- struct{}{} }()
+			for t := range tasks {
+				w.r.c.metrics.consumed.Add(w.ctx, 1, w.r.c.topicAttrs(t.rec))
+				t.ok = w.process(t.rec)
+				results <- t
+			}
+		}()
+	}
+	defer func() {
+		close(tasks)
+		for range lanes {
+			<-laneDone
+		}
+	}()
+
+	var (
+		order    []*keyTask                // taken records in offset order, first unfinished first
+		waiting  = map[string][]*keyTask{} // per busy key: its records not yet started
+		runnable []*keyTask
+		inflight int
+		held     int // taken and not finished
+		stop     = w.stop
+	)
+	limit := w.r.c.cfg.MaxBufferedRecords
+	for {
+		for stop != nil && held < limit {
+			rec, ok := w.pop()
+			if !ok {
+				break
+			}
+			t := &keyTask{rec: rec, key: string(rec.Key)}
+			order = append(order, t)
+			held++
+			if q, busy := waiting[t.key]; busy {
+				waiting[t.key] = append(q, t)
+			} else {
+				waiting[t.key] = nil
+				runnable = append(runnable, t)
+			}
+		}
+		for stop != nil && inflight < lanes && len(runnable) > 0 {
+			tasks <- runnable[0]
+			runnable[0] = nil
+			runnable = runnable[1:]
+			inflight++
+		}
+		if stop == nil && inflight == 0 {
+			return
+		}
+		select {
+		case t := <-results:
+			inflight--
+			if !t.ok {
+				stop = nil // stopped, abandoned or crashed: start nothing more
+				continue
+			}
+			t.done = true
+			held--
+			if q := waiting[t.key]; len(q) > 0 {
+				runnable = append(runnable, q[0])
+				waiting[t.key] = q[1:]
+			} else {
+				delete(waiting, t.key)
+			}
+			var last *keyTask
+			for len(order) > 0 && order[0].done {
+				last = order[0]
+				order[0] = nil
+				order = order[1:]
+			}
+			if last != nil {
+				w.markDone(last.rec)
+			}
+		case <-w.wake:
+		case <-stop:
+			stop = nil
+		}
+	}
+}
