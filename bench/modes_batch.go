@@ -1,5 +1,3 @@
-//go:build batchapi
-
 package main
 
 import (
