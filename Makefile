@@ -6,7 +6,7 @@ export DATABASE_URL
 GO ?= go
 TEST_FLAGS ?= -race -count=1 -timeout 20m
 
-.PHONY: demo test test-modes test-crashpoints test-containers bench lint vet fmt-check
+.PHONY: demo test test-modes test-crashpoints test-containers bench bench-outbox lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -37,8 +37,15 @@ test-crashpoints:
 test-containers:
 	scripts/test-containers.sh $(TEST_CONTAINERS_ARGS)
 
-## bench: the outbox relay against a raw-SQL ceiling, in one run, with the ratio
+## bench: the consumer against a raw-SQL ceiling, a naive at-least-once consumer and
+## Watermill, in one run (kfake and DATABASE_URL), with the ratios and the targets of
+## docs/BENCHMARKS.md. The nested module bench/ keeps Watermill and Sarama out of
+## go.mod. Flags through BENCH_FLAGS, e.g. BENCH_FLAGS='-modes oncely,batch -n 5000'.
 bench:
+	cd bench && $(GO) run . $(BENCH_FLAGS)
+
+## bench-outbox: the outbox relay against a raw-SQL ceiling, in one run, with the ratio
+bench-outbox:
 	$(GO) test -run '^$$' -bench BenchmarkOutbox -benchtime 20000x -count 1 ./outbox/ | tee /tmp/oncely-bench.txt
 	@awk '/raw-sql/ {raw=$$5} /relay/ {relay=$$5} END {if (raw > 0) printf "relay / raw-SQL ceiling = %.2f\n", relay/raw}' /tmp/oncely-bench.txt
 
@@ -46,8 +53,10 @@ bench:
 lint: fmt-check vet
 	$(GO) run github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0 run ./...
 
+## vet: the library, and the benchmark's own module
 vet:
 	$(GO) vet ./...
+	cd bench && $(GO) vet ./...
 
 fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -13,12 +13,13 @@ type result struct {
 	mode    string
 	records int           // records in the throughput phase
 	elapsed time.Duration // throughput phase
-	// p50 and p99 end-to-end latency of the latency phase (see latencyRecords).
-	p50, p99       time.Duration
-	latencyRecords int
-	note           string
-	rss            *rssReport
-	err            error
+	// latencies of the latency phase's records (see kafkaMode), or of the
+	// ceiling's transactions.
+	latencies []time.Duration
+	perTx     float64 // records per committed transaction in the throughput phase
+	note      string
+	rss       *rssReport
+	err       error
 }
 
 func (r result) rate() float64 {
@@ -63,7 +64,7 @@ type kafkaMode struct {
 //     each one's latency is its commit time minus its produce time;
 //  4. the consumer stops and the database is verified.
 func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
-	res = result{mode: m.name, records: m.w.records, latencyRecords: m.latencyRecords}
+	res = result{mode: m.name, records: m.w.records}
 	d, err := e.newDB(ctx, m.name, m.conns)
 	if err != nil {
 		res.err = err
@@ -125,6 +126,7 @@ func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
 		return res
 	}
 	res.elapsed = time.Duration(d.rec.lastDone.Load() - d.rec.firstCall.Load())
+	res.perTx = float64(m.w.records) / float64(max(d.rec.txs.Load(), 1))
 	if sampled != nil {
 		res.rss = sampled()
 	}
@@ -139,7 +141,7 @@ func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
 		res.err = fmt.Errorf("latency phase: %w", errors.Join(err, stopRun()))
 		return res
 	}
-	res.p50, res.p99 = d.rec.percentiles()
+	res.latencies = d.rec.latencies()
 	if err := stopRun(); err != nil && !errors.Is(err, context.Canceled) {
 		res.err = fmt.Errorf("consumer: %w", err)
 		return res

@@ -28,6 +28,7 @@ type options struct {
 	modes      string
 	n          int
 	batchN     int
+	batchRecsN int
 	partitions int
 	keys       int
 	conns      int
@@ -44,6 +45,7 @@ type options struct {
 
 	rssN int
 
+	rounds     int
 	timeout    time.Duration
 	cpuProfile string
 	progress   bool
@@ -55,13 +57,14 @@ const (
 	modeNaive     = "naive"
 	modePerRecord = "oncely"
 	modeBatch     = "batch"
+	modeBatchRecs = "batch-records"
 	modeWatermill = "watermill"
 	modeKeySeq    = "perkey-seq"
 	modeKeyPar    = "perkey-par"
 	modeRSS       = "rss"
 )
 
-var allModes = []string{modeCeiling, modeNaive, modePerRecord, modeBatch, modeWatermill, modeKeySeq, modeKeyPar, modeRSS}
+var allModes = []string{modeCeiling, modeNaive, modePerRecord, modeBatch, modeBatchRecs, modeWatermill, modeKeySeq, modeKeyPar, modeRSS}
 
 func main() {
 	if len(os.Args) == 2 && os.Args[1] == brokerFlag {
@@ -74,20 +77,22 @@ func main() {
 	var o options
 	flag.StringVar(&o.dbURL, "database-url", cmp.Or(os.Getenv("DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres to measure against (each mode gets a fresh schema, dropped afterwards)")
 	flag.StringVar(&o.modes, "modes", strings.Join(allModes, ","), "modes to run, comma-separated: "+strings.Join(allModes, ","))
-	flag.IntVar(&o.n, "n", 20_000, "backlog records for the per-record modes (naive, oncely, watermill)")
-	flag.IntVar(&o.batchN, "batch-n", 200_000, "records for the raw-SQL ceiling and batch mode")
+	flag.IntVar(&o.n, "n", 10_000, "backlog records for the per-record modes (naive, oncely, watermill)")
+	flag.IntVar(&o.batchN, "batch-n", 100_000, "records for the raw-SQL ceiling and batch mode")
+	flag.IntVar(&o.batchRecsN, "batch-records-n", 40_000, "records for batch mode with a per-record Handler")
 	flag.IntVar(&o.partitions, "partitions", 4, "partitions of the throughput modes' topics")
 	flag.IntVar(&o.keys, "keys", 1000, "distinct record keys in the throughput modes")
 	flag.IntVar(&o.conns, "conns", 4, "Postgres connections of the throughput modes (and of the ceiling)")
-	flag.IntVar(&o.latencyRecords, "latency-records", 1500, "records produced at -latency-rate after the backlog drained; their latencies are p50/p99")
+	flag.IntVar(&o.latencyRecords, "latency-records", 1000, "records produced at -latency-rate after the backlog drained; their latencies are p50/p99")
 	flag.Float64Var(&o.latencyRate, "latency-rate", 500, "records/s of the latency phase")
 	flag.IntVar(&o.batchSize, "batch-size", 500, "consumer.Config.BatchSize of batch mode")
 	flag.IntVar(&o.keyN, "key-n", 5000, "records of the per-key parallel mode (one partition, 100 keys)")
 	flag.IntVar(&o.keySeqN, "key-seq-n", 500, "records of the per-partition sequential mode it is compared with")
 	flag.IntVar(&o.keyParallelism, "key-parallelism", 32, "consumer.Config.KeyParallelism of the per-key parallel mode (also its pool size)")
 	flag.DurationVar(&o.keySleep, "key-sleep", 5*time.Millisecond, "handler sleep inside the transaction in the per-key modes")
-	flag.Float64Var(&o.keyLatencyRate, "key-latency-rate", 100, "records/s of the per-key modes' latency phase")
+	flag.Float64Var(&o.keyLatencyRate, "key-latency-rate", 50, "records/s of the per-key modes' latency phase")
 	flag.IntVar(&o.rssN, "rss-n", 1_000_000, "backlog records of the RSS mode (batch mode)")
+	flag.IntVar(&o.rounds, "rounds", 3, "rounds of every mode but rss; the table shows medians, the targets the median of each round's ratio")
 	flag.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one phase of one mode")
 	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
 	flag.BoolVar(&o.progress, "progress", false, "print each second how many records have committed")
@@ -137,32 +142,64 @@ func run(ctx context.Context, o options) error {
 
 	fmt.Printf("oncely bench: %s, %d CPUs, %s/%s, Postgres %s, kfake (child process)\n",
 		runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, pgVersion)
-	fmt.Printf("command: %s\n\n", strings.Join(os.Args, " "))
+	fmt.Printf("command: %s\n", strings.Join(os.Args, " "))
+	fmt.Printf("load average at start: %s\n\n", loadAverage())
 
-	results := map[string]result{}
+	// Every mode but rss runs once per round; even rounds run the modes in
+	// reverse order, so that a drift in the machine's load does not always
+	// favour the same ones. rss runs once, last.
+	runs := map[string][]result{}
+	var order []string
 	for _, m := range allModes {
-		if !slices.Contains(modes, m) {
-			continue
-		}
-		start := time.Now()
-		fmt.Fprintf(os.Stderr, "bench: %s...", m)
-		r := e.runMode(ctx, m)
-		fmt.Fprintf(os.Stderr, " %s (%.0f records/s)\n", time.Since(start).Round(100*time.Millisecond), r.rate())
-		if r.err != nil {
-			fmt.Fprintf(os.Stderr, "bench: %s: %v\n", m, r.err)
-		}
-		results[m] = r
-		if ctx.Err() != nil {
-			break
+		if slices.Contains(modes, m) && m != modeRSS {
+			order = append(order, m)
 		}
 	}
-	report(os.Stdout, o, modes, results)
+	for round := 1; round <= o.rounds && ctx.Err() == nil; round++ {
+		for _, m := range order {
+			if ctx.Err() != nil {
+				break
+			}
+			runs[m] = append(runs[m], e.runLogged(ctx, m, fmt.Sprintf("round %d/%d", round, o.rounds)))
+		}
+		slices.Reverse(order)
+	}
+	if slices.Contains(modes, modeRSS) && ctx.Err() == nil {
+		runs[modeRSS] = []result{e.runLogged(ctx, modeRSS, "once")}
+	}
+	report(os.Stdout, o, runs)
+	fmt.Printf("load average at end: %s\n", loadAverage())
 	for _, m := range modes {
-		if r, ok := results[m]; ok && r.err != nil {
-			return fmt.Errorf("mode %s failed", m)
+		for _, r := range runs[m] {
+			if r.err != nil {
+				return fmt.Errorf("mode %s failed: %w", m, r.err)
+			}
 		}
 	}
-	return nil
+	return ctx.Err()
+}
+
+// loadAverage is the machine's 1, 5 and 15 minute load average: other work
+// on the machine moves the absolute figures.
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	return strings.Join(f[:min(3, len(f))], " ")
+}
+
+// runLogged runs one mode and says so on standard error.
+func (e *env) runLogged(ctx context.Context, m, round string) result {
+	start := time.Now()
+	fmt.Fprintf(os.Stderr, "bench: %s: %s...", round, m)
+	r := e.runMode(ctx, m)
+	fmt.Fprintf(os.Stderr, " %s (%.0f records/s)\n", time.Since(start).Round(100*time.Millisecond), r.rate())
+	if r.err != nil {
+		fmt.Fprintf(os.Stderr, "bench: %s: %v\n", m, r.err)
+	}
+	return r
 }
 
 func (e *env) runMode(ctx context.Context, m string) result {

@@ -70,8 +70,8 @@ func (e *env) runCeiling(ctx context.Context, w workload, conns int32) (res resu
 	if res.err = errors.Join(errs...); res.err != nil {
 		return res
 	}
-	res.p50, res.p99 = percentiles(samples)
-	res.latencyRecords = len(samples)
+	res.latencies = samples
+	res.perTx = float64(w.records) / float64(max(len(samples), 1))
 	_, res.err = d.verify(ctx, int64(w.records), true, false)
 	return res
 }

@@ -15,13 +15,23 @@ import (
 func (e *env) runBatchMode(ctx context.Context, m string) result {
 	o := e.opts
 	switch m {
-	case modeBatch:
-		r := e.runKafka(ctx, kafkaMode{name: "oncely batch", inbox: true, conns: int32(o.conns),
-			w:              workload{records: o.batchN, keys: o.keys, partitions: int32(o.partitions)},
+	case modeBatch, modeBatchRecs:
+		name, n, note := "oncely batch", o.batchN, "BatchSize "+strconv.Itoa(o.batchSize)+", BatchHandler: multi-row effect insert"
+		if m == modeBatchRecs {
+			name, n, note = "oncely batch, Handler", o.batchRecsN, "BatchSize "+strconv.Itoa(o.batchSize)+", per-record Handler under a savepoint"
+		}
+		r := e.runKafka(ctx, kafkaMode{name: name, inbox: true, conns: int32(o.conns),
+			w:              workload{records: n, keys: o.keys, partitions: int32(o.partitions)},
 			latencyRecords: o.latencyRecords, latencyRate: o.latencyRate,
-			run: func(ctx context.Context, k kafkaRun) error { return runOncely(ctx, batchConfig(k, o.batchSize)) },
+			run: func(ctx context.Context, k kafkaRun) error {
+				cfg := batchConfig(k, o.batchSize)
+				if m == modeBatchRecs {
+					cfg.BatchHandler = nil // Handler runs per record, each under a savepoint
+				}
+				return runOncely(ctx, cfg)
+			},
 		})
-		r.note = "BatchSize " + strconv.Itoa(o.batchSize) + ", BatchHandler: multi-row effect insert"
+		r.note = note
 		return r
 	case modeKeySeq, modeKeyPar:
 		par, name, n := o.keyParallelism, "oncely per-key parallel", o.keyN
@@ -30,7 +40,7 @@ func (e *env) runBatchMode(ctx context.Context, m string) result {
 		}
 		r := e.runKafka(ctx, kafkaMode{name: name, inbox: true, conns: int32(o.keyParallelism),
 			w:              workload{records: n, keys: 100, partitions: 1},
-			latencyRecords: int(3 * o.keyLatencyRate), latencyRate: o.keyLatencyRate,
+			latencyRecords: int(4 * o.keyLatencyRate), latencyRate: o.keyLatencyRate,
 			run: func(ctx context.Context, k kafkaRun) error {
 				cfg := oncelyConfig(k)
 				effect := cfg.Handler

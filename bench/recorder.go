@@ -25,6 +25,7 @@ type recorder struct {
 	reached chan struct{}
 
 	done      atomic.Int64 // records whose transaction committed
+	txs       atomic.Int64 // committed transactions that carried records
 	firstCall atomic.Int64 // unix nanoseconds of the first handler call
 	lastDone  atomic.Int64 // unix nanoseconds of the last commit
 }
@@ -64,6 +65,7 @@ func (r *recorder) TraceQueryEnd(ctx context.Context, conn *pgx.Conn, data pgx.T
 		r.samples = append(r.samples, now.Sub(t))
 	}
 	r.lastDone.Store(now.UnixNano())
+	r.txs.Add(1)
 	if n := r.done.Add(int64(len(sent))); r.reached != nil && n >= r.target {
 		close(r.reached)
 		r.reached = nil
@@ -93,12 +95,11 @@ func (r *recorder) expect(n int64) <-chan struct{} {
 	return ch
 }
 
-// percentiles returns the p50 and p99 of the samples taken since expect.
-func (r *recorder) percentiles() (p50, p99 time.Duration) {
+// latencies returns the samples taken since expect.
+func (r *recorder) latencies() []time.Duration {
 	r.mu.Lock()
-	s := slices.Clone(r.samples)
-	r.mu.Unlock()
-	return percentiles(s)
+	defer r.mu.Unlock()
+	return slices.Clone(r.samples)
 }
 
 // percentiles returns the nearest-rank p50 and p99 of s.
