@@ -23,10 +23,11 @@ import (
 // env is what every mode shares: the database server, the broker and the
 // options of the run.
 type env struct {
-	dbURL   string
-	admin   *pgxpool.Pool
-	brokers []string
-	opts    options
+	dbURL     string
+	admin     *pgxpool.Pool
+	brokers   []string
+	brokerPID int
+	opts      options
 }
 
 // uniqueName returns prefix followed by 8 random hex digits.
@@ -40,9 +41,10 @@ func uniqueName(prefix string) string {
 // table, with a pool whose search_path is the schema and whose tracer is the
 // mode's recorder.
 type db struct {
-	schema string
-	pool   *pgxpool.Pool
-	rec    *recorder
+	schema   string
+	pool     *pgxpool.Pool
+	rec      *recorder
+	backends backends
 }
 
 // effectsTable is the handlers' effect: one row per processed record. It has
@@ -70,6 +72,10 @@ func (e *env) newDB(ctx context.Context, mode string, maxConns int32) (*db, erro
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.ConnConfig.Tracer = d.rec
+	cfg.AfterConnect = func(_ context.Context, c *pgx.Conn) error {
+		d.backends.add(c.PgConn().PID())
+		return nil
+	}
 	cfg.MaxConns, cfg.MinConns = maxConns, maxConns
 	if d.pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
 		return nil, err
@@ -101,6 +107,9 @@ func sqlIdent(s string) string {
 	}
 	return string(b)
 }
+
+// cpuMeter measures the CPU time the mode costs.
+func (e *env) cpuMeter(d *db) cpuMeter { return cpuMeter{brokerPID: e.brokerPID, db: d} }
 
 func (d *db) close(ctx context.Context, admin *pgxpool.Pool) {
 	if d.pool != nil {
@@ -282,9 +291,16 @@ type producer struct {
 	err error
 }
 
+// compressions are the -compression choices.
+var compressions = map[string]kgo.CompressionCodec{
+	"none": kgo.NoCompression(), "snappy": kgo.SnappyCompression(), "lz4": kgo.Lz4Compression(),
+	"zstd": kgo.ZstdCompression(), "gzip": kgo.GzipCompression(),
+}
+
 func (e *env) newProducer(topic string, w workload) (*producer, error) {
 	cl, err := kgo.NewClient(kgo.SeedBrokers(e.brokers...), kgo.RecordPartitioner(kgo.ManualPartitioner()),
-		kgo.ProducerLinger(0), kgo.MaxBufferedRecords(50_000))
+		kgo.ProducerLinger(0), kgo.MaxBufferedRecords(50_000),
+		kgo.ProducerBatchCompression(compressions[e.opts.compression]))
 	if err != nil {
 		return nil, err
 	}

@@ -17,6 +17,7 @@ type result struct {
 	// ceiling's transactions.
 	latencies []time.Duration
 	perTx     float64 // records per committed transaction in the throughput phase
+	cpu       cpuUse  // CPU time of the throughput phase
 	note      string
 	rss       *rssReport
 	err       error
@@ -97,6 +98,8 @@ func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
 	}
 	var runErr error
 	done := make(chan struct{})
+	meter := e.cpuMeter(d)
+	cpuStart := meter.read()
 	go func() {
 		defer close(done)
 		runErr = m.run(runCtx, k)
@@ -125,6 +128,7 @@ func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
 		res.err = fmt.Errorf("throughput phase: %w", errors.Join(err, stopRun()))
 		return res
 	}
+	res.cpu = meter.read().since(cpuStart)
 	res.elapsed = time.Duration(d.rec.lastDone.Load() - d.rec.firstCall.Load())
 	res.perTx = float64(m.w.records) / float64(max(d.rec.txs.Load(), 1))
 	if sampled != nil {

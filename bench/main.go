@@ -45,10 +45,11 @@ type options struct {
 
 	rssN int
 
-	rounds     int
-	timeout    time.Duration
-	cpuProfile string
-	progress   bool
+	rounds      int
+	compression string
+	timeout     time.Duration
+	cpuProfile  string
+	progress    bool
 }
 
 // The modes, in the order they run.
@@ -92,6 +93,7 @@ func main() {
 	flag.DurationVar(&o.keySleep, "key-sleep", 5*time.Millisecond, "handler sleep inside the transaction in the per-key modes")
 	flag.Float64Var(&o.keyLatencyRate, "key-latency-rate", 50, "records/s of the per-key modes' latency phase")
 	flag.IntVar(&o.rssN, "rss-n", 1_000_000, "backlog records of the RSS mode (batch mode)")
+	flag.StringVar(&o.compression, "compression", "none", "codec the records are produced with (none, snappy, lz4, zstd, gzip); consumers pay its decompression")
 	flag.IntVar(&o.rounds, "rounds", 3, "rounds of every mode but rss; the table shows medians, the targets the median of each round's ratio")
 	flag.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one phase of one mode")
 	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
@@ -118,6 +120,9 @@ func main() {
 }
 
 func run(ctx context.Context, o options) error {
+	if _, ok := compressions[o.compression]; !ok {
+		return fmt.Errorf("unknown -compression %q", o.compression)
+	}
 	modes := strings.Split(o.modes, ",")
 	for _, m := range modes {
 		if !slices.Contains(allModes, m) {
@@ -138,7 +143,7 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	defer b.stop()
-	e := &env{dbURL: o.dbURL, admin: admin, brokers: b.addrs, opts: o}
+	e := &env{dbURL: o.dbURL, admin: admin, brokers: b.addrs, brokerPID: b.cmd.Process.Pid, opts: o}
 
 	fmt.Printf("oncely bench: %s, %d CPUs, %s/%s, Postgres %s, kfake (child process)\n",
 		runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, pgVersion)

@@ -44,6 +44,8 @@ func (e *env) runCeiling(ctx context.Context, w workload, conns int32) (res resu
 		errs    = make([]error, conns)
 		wg      sync.WaitGroup
 	)
+	meter := e.cpuMeter(d)
+	cpuStart := meter.read()
 	start := time.Now()
 	for c := range int(conns) {
 		wg.Go(func() {
@@ -67,6 +69,7 @@ func (e *env) runCeiling(ctx context.Context, w workload, conns int32) (res resu
 	}
 	wg.Wait()
 	res.elapsed = time.Since(start)
+	res.cpu = meter.read().since(cpuStart)
 	if res.err = errors.Join(errs...); res.err != nil {
 		return res
 	}

@@ -17,6 +17,9 @@ type summary struct {
 	p50, p99 time.Duration // over the latency samples of all runs
 	failed   error         // the first run's error, if any
 	rates    []float64     // records/s of each run, in round order
+	// appCPU and pgCPU are the mean CPU time per record of the throughput
+	// phases: benchmark process and broker, and the mode's Postgres backends.
+	appCPU, pgCPU time.Duration
 }
 
 func summarize(runs []result) *summary {
@@ -28,6 +31,10 @@ func summarize(runs []result) *summary {
 		}
 		s.rates = append(s.rates, r.rate())
 		lat = append(lat, r.latencies...)
+		if r.records > 0 {
+			s.appCPU += r.cpu.app / time.Duration(r.records*len(runs))
+			s.pgCPU += r.cpu.pg / time.Duration(r.records*len(runs))
+		}
 	}
 	byRate := slices.Clone(runs)
 	slices.SortFunc(byRate, func(a, b result) int { return cmpFloat(a.rate(), b.rate()) })
@@ -89,7 +96,7 @@ func report(out io.Writer, o options, runs map[string][]result) {
 	}
 
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "mode\trecords\tseconds\trecords/s\trec/tx\tp50\tp99\tvs ceiling\tvs naive\tvs oncely\tvs watermill\t\tnote\t")
+	fmt.Fprintln(tw, "mode\trecords\tseconds\trecords/s\trec/tx\tapp CPU/rec\tpg CPU/rec\tp50\tp99\tvs ceiling\tvs naive\tvs oncely\tvs watermill\t\tnote\t")
 	for _, m := range allModes {
 		s := sums[m]
 		if s == nil {
@@ -100,8 +107,8 @@ func report(out io.Writer, o options, runs map[string][]result) {
 		if s.failed != nil {
 			note = "FAILED: " + s.failed.Error()
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%.2f\t%.0f\t%.1f\t%s\t%s\t%s\t%s\t%s\t%s\t\t%s\t\n",
-			r.mode, r.records, r.elapsed.Seconds(), r.rate(), r.perTx, dur(s.p50), dur(s.p99),
+		fmt.Fprintf(tw, "%s\t%d\t%.2f\t%.0f\t%.1f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\t%s\t\n",
+			r.mode, r.records, r.elapsed.Seconds(), r.rate(), r.perTx, us(s.appCPU), us(s.pgCPU), dur(s.p50), dur(s.p99),
 			cell(m, modeCeiling), cell(m, modeNaive), cell(m, modePerRecord), cell(m, modeWatermill), note)
 	}
 	_ = tw.Flush()
@@ -175,6 +182,11 @@ func dur(d time.Duration) string {
 	default:
 		return strconv.FormatFloat(d.Seconds(), 'g', 3, 64) + "s"
 	}
+}
+
+// us prints a CPU time per record in microseconds.
+func us(d time.Duration) string {
+	return strconv.FormatFloat(float64(d)/float64(time.Microsecond), 'f', 1, 64) + "us"
 }
 
 func mib(b uint64) string { return fmt.Sprintf("%.0f MiB", float64(b)/(1<<20)) }
