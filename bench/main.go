@@ -52,10 +52,15 @@ type options struct {
 	progress    bool
 }
 
+// keyLatencyRecords is the size of the per-key modes' latency phase: four
+// seconds' worth.
+func (o options) keyLatencyRecords() int { return int(4 * o.keyLatencyRate) }
+
 // The modes, in the order they run.
 const (
 	modeCeiling   = "ceiling"
 	modeNaive     = "naive"
+	modeNaiveIn   = "naive-inbox"
 	modePerRecord = "oncely"
 	modeBatch     = "batch"
 	modeBatchRecs = "batch-records"
@@ -65,7 +70,7 @@ const (
 	modeRSS       = "rss"
 )
 
-var allModes = []string{modeCeiling, modeNaive, modePerRecord, modeBatch, modeBatchRecs, modeWatermill, modeKeySeq, modeKeyPar, modeRSS}
+var allModes = []string{modeCeiling, modeNaive, modeNaiveIn, modePerRecord, modeBatch, modeBatchRecs, modeWatermill, modeKeySeq, modeKeyPar, modeRSS}
 
 func main() {
 	if len(os.Args) == 2 && os.Args[1] == brokerFlag {
@@ -89,7 +94,7 @@ func main() {
 	flag.IntVar(&o.batchSize, "batch-size", 500, "consumer.Config.BatchSize of batch mode")
 	flag.IntVar(&o.keyN, "key-n", 5000, "records of the per-key parallel mode (one partition, 100 keys)")
 	flag.IntVar(&o.keySeqN, "key-seq-n", 500, "records of the per-partition sequential mode it is compared with")
-	flag.IntVar(&o.keyParallelism, "key-parallelism", 32, "consumer.Config.KeyParallelism of the per-key parallel mode (also its pool size)")
+	flag.IntVar(&o.keyParallelism, "key-parallelism", 64, "consumer.Config.KeyParallelism of the per-key parallel mode, and the per-key modes' pool size (lowered, with a warning, when the server has not that many connections free)")
 	flag.DurationVar(&o.keySleep, "key-sleep", 5*time.Millisecond, "handler sleep inside the transaction in the per-key modes")
 	flag.Float64Var(&o.keyLatencyRate, "key-latency-rate", 50, "records/s of the per-key modes' latency phase")
 	flag.IntVar(&o.rssN, "rss-n", 1_000_000, "backlog records of the RSS mode (batch mode)")
@@ -147,7 +152,12 @@ func run(ctx context.Context, o options) error {
 
 	fmt.Printf("oncely bench: %s, %d CPUs, %s/%s, Postgres %s, kfake (child process)\n",
 		runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, pgVersion)
-	fmt.Printf("command: %s\n", strings.Join(os.Args, " "))
+	fmt.Printf("flags: %s\n", strings.Join(os.Args[1:], " "))
+	fmt.Printf("settings: rounds=%d n=%d batch-n=%d batch-records-n=%d partitions=%d keys=%d conns=%d batch-size=%d "+
+		"latency=%d@%.0f/s key-n=%d key-seq-n=%d key-parallelism=%d key-sleep=%s key-latency=%d@%.0f/s rss-n=%d compression=%s\n",
+		o.rounds, o.n, o.batchN, o.batchRecsN, o.partitions, o.keys, o.conns, o.batchSize,
+		o.latencyRecords, o.latencyRate, o.keyN, o.keySeqN, o.keyParallelism, o.keySleep, o.keyLatencyRecords(), o.keyLatencyRate,
+		o.rssN, o.compression)
 	fmt.Printf("load average at start: %s\n\n", loadAverage())
 
 	// Every mode but rss runs once per round; even rounds run the modes in
@@ -220,6 +230,10 @@ func (e *env) runMode(ctx context.Context, m string) result {
 	case modeNaive:
 		r := e.runKafka(ctx, perRecord("naive at-least-once", false, runNaive))
 		r.note = "per-record tx, no inbox"
+		return r
+	case modeNaiveIn:
+		r := e.runKafka(ctx, perRecord("naive + inbox", true, runNaiveInbox))
+		r.note = "naive with the hand-written inbox insert"
 		return r
 	case modePerRecord:
 		r := e.runKafka(ctx, perRecord("oncely per-record", true, runOncelyPerRecord))

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"os"
 	"strconv"
 	"time"
 
@@ -34,13 +36,14 @@ func (e *env) runBatchMode(ctx context.Context, m string) result {
 		r.note = note
 		return r
 	case modeKeySeq, modeKeyPar:
-		par, name, n := o.keyParallelism, "oncely per-key parallel", o.keyN
+		conns := e.keyConns(ctx)
+		par, name, n := conns, "oncely per-key parallel", o.keyN
 		if m == modeKeySeq {
 			par, name, n = 1, "oncely per-partition sequential", o.keySeqN
 		}
-		r := e.runKafka(ctx, kafkaMode{name: name, inbox: true, conns: int32(o.keyParallelism),
+		r := e.runKafka(ctx, kafkaMode{name: name, inbox: true, conns: int32(conns),
 			w:              workload{records: n, keys: 100, partitions: 1},
-			latencyRecords: int(4 * o.keyLatencyRate), latencyRate: o.keyLatencyRate,
+			latencyRecords: o.keyLatencyRecords(), latencyRate: o.keyLatencyRate,
 			run: func(ctx context.Context, k kafkaRun) error {
 				cfg := oncelyConfig(k)
 				effect := cfg.Handler
@@ -67,6 +70,21 @@ func (e *env) runBatchMode(ctx context.Context, m string) result {
 		return r
 	}
 	panic("unknown mode " + m)
+}
+
+// keyConns is the per-key modes' pool size and parallelism: -key-parallelism,
+// or less when the server has not that many connections free (others use it
+// too), keeping ten for them.
+func (e *env) keyConns(ctx context.Context) int {
+	want := e.opts.keyParallelism
+	var free int
+	err := e.admin.QueryRow(ctx, `SELECT current_setting('max_connections')::int - count(*) FROM pg_stat_activity`).Scan(&free)
+	if err != nil || free-10 >= want {
+		return want
+	}
+	n := max(free-10, 2)
+	fmt.Fprintf(os.Stderr, "\nbench: only %d Postgres connections free; per-key modes use %d, not %d\n", free, n, want)
+	return n
 }
 
 // batchConfig is oncely in batch mode with a BatchHandler that inserts the
