@@ -59,8 +59,9 @@ type kafkaMode struct {
 // runKafka measures one Kafka mode on a fresh schema and topic:
 //
 //  1. records [0, n) are produced before the consumer starts;
-//  2. throughput is n over the time from the first record's effect to the
-//     commit of the n-th (the group join is not counted);
+//  2. throughput is n over the time from the first statement of the first
+//     transaction to the commit of the n-th record (the group join is not
+//     counted);
 //  3. then latencyRecords more are produced at latencyRate per second, and
 //     each one's latency is its commit time minus its produce time;
 //  4. the consumer stops and the database is verified.
@@ -100,6 +101,7 @@ func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
 	done := make(chan struct{})
 	meter := e.cpuMeter(d)
 	cpuStart := meter.read()
+	d.rec.arm()
 	go func() {
 		defer close(done)
 		runErr = m.run(runCtx, k)
@@ -129,7 +131,7 @@ func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
 		return res
 	}
 	res.cpu = meter.read().since(cpuStart)
-	res.elapsed = time.Duration(d.rec.lastDone.Load() - d.rec.firstCall.Load())
+	res.elapsed = time.Duration(d.rec.lastDone.Load() - d.rec.firstTx.Load())
 	res.perTx = float64(m.w.records) / float64(max(d.rec.txs.Load(), 1))
 	if sampled != nil {
 		res.rss = sampled()

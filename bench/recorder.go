@@ -24,10 +24,11 @@ type recorder struct {
 	target  int64
 	reached chan struct{}
 
-	done      atomic.Int64 // records whose transaction committed
-	txs       atomic.Int64 // committed transactions that carried records
-	firstCall atomic.Int64 // unix nanoseconds of the first handler call
-	lastDone  atomic.Int64 // unix nanoseconds of the last commit
+	done     atomic.Int64 // records whose transaction committed
+	txs      atomic.Int64 // committed transactions that carried records
+	armed    atomic.Bool  // the consumer under test has started
+	firstTx  atomic.Int64 // unix nanoseconds of the first statement once armed
+	lastDone atomic.Int64 // unix nanoseconds of the last commit
 }
 
 func newRecorder() *recorder {
@@ -36,8 +37,16 @@ func newRecorder() *recorder {
 
 type txEndKey struct{}
 
-// TraceQueryStart marks the statements that end a transaction.
+// arm makes the next statement on the pool the start of the measured work
+// (the schema is created on the same pool before).
+func (r *recorder) arm() { r.armed.Store(true) }
+
+// TraceQueryStart notes the first statement once armed, and marks the
+// statements that end a transaction.
 func (r *recorder) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if r.armed.Load() && r.firstTx.Load() == 0 {
+		r.firstTx.CompareAndSwap(0, time.Now().UnixNano())
+	}
 	switch data.SQL {
 	case "commit", "rollback":
 		return context.WithValue(ctx, txEndKey{}, data.SQL)
@@ -74,7 +83,6 @@ func (r *recorder) TraceQueryEnd(ctx context.Context, conn *pgx.Conn, data pgx.T
 
 // note records that the transaction on conn carries a record produced at sent.
 func (r *recorder) note(conn *pgx.Conn, sent time.Time) {
-	r.firstCall.CompareAndSwap(0, time.Now().UnixNano())
 	r.mu.Lock()
 	r.pending[conn] = append(r.pending[conn], sent)
 	r.mu.Unlock()
