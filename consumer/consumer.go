@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,7 +14,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
-	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -42,6 +42,9 @@ type Consumer struct {
 
 	// handler runs one record: Handler, or BatchHandler with a batch of one.
 	handler Handler
+
+	attrSets  sync.Map // attrKey -> metric.MeasurementOption
+	spanAttrs sync.Map // topic -> trace.SpanStartEventOption
 
 	processed, duplicates, retries, commits, held atomic.Int64
 	deadLettered, deadLetterErrs, batches         atomic.Int64
@@ -929,17 +932,10 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 // in the record's traceparent header) and, unless UntrustedProducers, is
 // parented to it too.
 func (c *Consumer) startProcessSpan(ctx context.Context, rec *kgo.Record, id string, attempt int) (context.Context, trace.Span) {
-	attrs := append(telemetry.RecordAttrs(rec),
-		telemetry.MessagingOperationType.String("process"),
-		telemetry.MessagingOperationName.String("process"),
-		telemetry.MessagingConsumerGroup.String(c.cfg.Group),
-		telemetry.MessagingMessageID.String(id),
-		telemetry.Attempt.Int(attempt),
-	)
-	if c.cfg.RecordKeyAttribute && rec.Key != nil {
-		attrs = append(attrs, telemetry.MessagingKafkaKey.String(string(rec.Key)))
-	}
-	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...)}
+	// The topic's attributes, which samplers may look at, are given at the
+	// start; the record's own are set only on a span that records, so that
+	// an unsampled or untraced record costs no attribute building.
+	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), c.spanStartAttrs(rec.Topic)}
 	if creation := telemetry.Extract(rec.Headers); creation.IsValid() {
 		opts = append(opts, trace.WithLinks(trace.Link{SpanContext: creation}))
 		if c.cfg.UntrustedProducers {
@@ -948,7 +944,35 @@ func (c *Consumer) startProcessSpan(ctx context.Context, rec *kgo.Record, id str
 			ctx = trace.ContextWithRemoteSpanContext(ctx, creation)
 		}
 	}
-	return c.tracer.Start(ctx, "process "+rec.Topic, opts...)
+	ctx, span := c.tracer.Start(ctx, "process "+rec.Topic, opts...)
+	if span.IsRecording() {
+		span.SetAttributes(
+			telemetry.MessagingPartition.String(strconv.FormatInt(int64(rec.Partition), 10)),
+			telemetry.MessagingKafkaOffset.Int64(rec.Offset),
+			telemetry.MessagingMessageID.String(id),
+			telemetry.Attempt.Int(attempt),
+		)
+		if c.cfg.RecordKeyAttribute && rec.Key != nil {
+			span.SetAttributes(telemetry.MessagingKafkaKey.String(string(rec.Key)))
+		}
+	}
+	return ctx, span
+}
+
+// spanStartAttrs returns the start attributes of a topic's process spans,
+// built once per topic.
+func (c *Consumer) spanStartAttrs(topic string) trace.SpanStartEventOption {
+	if o, ok := c.spanAttrs.Load(topic); ok {
+		return o.(trace.SpanStartEventOption)
+	}
+	o, _ := c.spanAttrs.LoadOrStore(topic, trace.WithAttributes(
+		telemetry.Kafka,
+		telemetry.MessagingDestination.String(topic),
+		telemetry.MessagingOperationType.String("process"),
+		telemetry.MessagingOperationName.String("process"),
+		telemetry.MessagingConsumerGroup.String(c.cfg.Group),
+	))
+	return o.(trace.SpanStartEventOption)
 }
 
 func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo.Record, start time.Time, res result) {
@@ -959,8 +983,7 @@ func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo
 	case isRedrive(rec):
 		outcome = "redrive"
 	}
-	attrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingDestination.String(rec.Topic),
-		telemetry.MessagingConsumerGroup.String(c.cfg.Group), telemetry.MessagingOperationName.String("process")}
+	key := attrKey{topic: rec.Topic, process: true}
 	if res.err != nil {
 		kind := "handler"
 		switch {
@@ -974,12 +997,12 @@ func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo
 			}
 		}
 		telemetry.Fail(span, res.err, kind)
-		attrs = append(attrs, telemetry.ErrorType.String(kind))
+		key.errorType = kind
 	} else {
 		span.SetAttributes(telemetry.DedupOutcome.String(outcome))
 	}
 	span.End()
-	c.metrics.processDuration.Record(ctx, time.Since(start).Seconds(), metric.WithAttributes(attrs...))
+	c.metrics.processDuration.Record(ctx, time.Since(start).Seconds(), c.metricAttrs(key))
 }
 
 func callHandler(ctx context.Context, h Handler, tx pgx.Tx, msg *Message) (err error) {

@@ -41,9 +41,7 @@ func (w *worker) loopBatches(size int) {
 		if batch, ok = w.nextBatch(batch[:0], size); !ok {
 			return
 		}
-		for _, rec := range batch {
-			w.r.c.metrics.consumed.Add(w.ctx, 1, w.r.c.topicAttrs(rec))
-		}
+		w.r.c.metrics.consumed.Add(w.ctx, int64(len(batch)), w.r.c.topicAttrs(batch[0]))
 		if !w.processBatch(batch) {
 			return
 		}

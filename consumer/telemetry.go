@@ -89,10 +89,35 @@ func (r *run) observe() (metric.Registration, error) {
 	}, c.metrics.commitLag, c.metrics.inboxRows)
 }
 
-// recordAttrs are the metric attributes of a record's topic.
+// topicAttrs are the metric attributes of a record's topic.
 func (c *Consumer) topicAttrs(rec *kgo.Record) metric.MeasurementOption {
-	return metric.WithAttributes(telemetry.Kafka, telemetry.MessagingConsumerGroup.String(c.cfg.Group),
-		telemetry.MessagingDestination.String(rec.Topic))
+	return c.metricAttrs(attrKey{topic: rec.Topic})
+}
+
+// attrKey names one of the few attribute sets the consumer's metrics use:
+// per topic, for processing (with its error type, if any) or not.
+type attrKey struct {
+	topic     string
+	process   bool
+	errorType string
+}
+
+// metricAttrs returns the attribute set of k, built once: building a set
+// per record costs as much as the rest of a batch's bookkeeping.
+func (c *Consumer) metricAttrs(k attrKey) metric.MeasurementOption {
+	if o, ok := c.attrSets.Load(k); ok {
+		return o.(metric.MeasurementOption)
+	}
+	kv := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingConsumerGroup.String(c.cfg.Group),
+		telemetry.MessagingDestination.String(k.topic)}
+	if k.process {
+		kv = append(kv, telemetry.MessagingOperationName.String("process"))
+	}
+	if k.errorType != "" {
+		kv = append(kv, telemetry.ErrorType.String(k.errorType))
+	}
+	o, _ := c.attrSets.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(kv...)))
+	return o.(metric.MeasurementOption)
 }
 
 // startSendSpan starts the dead-letter "send <topic>" PRODUCER span, a child
