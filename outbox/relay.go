@@ -105,11 +105,27 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		return nil, errors.New("outbox: RelayConfig.Pool: a *pgxpool.Pool is required")
 	case len(cfg.Brokers) == 0:
 		return nil, errors.New("outbox: RelayConfig.Brokers: at least one seed broker is required")
-	case cfg.BatchSize < 0, cfg.PollInterval < 0, cfg.NotifyDebounce < 0, cfg.Retention < 0,
-		cfg.CleanupInterval < 0, cfg.CleanupBatch < 0, cfg.RetryBaseDelay < 0, cfg.RetryMaxDelay < 0:
-		return nil, errors.New("outbox: RelayConfig: BatchSize, PollInterval, NotifyDebounce, Retention, CleanupInterval, CleanupBatch and the retry delays must not be negative")
 	case cfg.ProduceTimeout != 0 && cfg.ProduceTimeout < time.Second:
 		return nil, fmt.Errorf("outbox: RelayConfig.ProduceTimeout: must be at least 1s, got %s", cfg.ProduceTimeout)
+	}
+	for i, b := range cfg.Brokers {
+		if b == "" {
+			return nil, fmt.Errorf("outbox: RelayConfig.Brokers: broker %d is empty", i)
+		}
+	}
+	for _, f := range []struct {
+		name     string
+		negative bool
+		v        any
+	}{
+		{"BatchSize", cfg.BatchSize < 0, cfg.BatchSize}, {"PollInterval", cfg.PollInterval < 0, cfg.PollInterval},
+		{"NotifyDebounce", cfg.NotifyDebounce < 0, cfg.NotifyDebounce}, {"Retention", cfg.Retention < 0, cfg.Retention},
+		{"CleanupInterval", cfg.CleanupInterval < 0, cfg.CleanupInterval}, {"CleanupBatch", cfg.CleanupBatch < 0, cfg.CleanupBatch},
+		{"RetryBaseDelay", cfg.RetryBaseDelay < 0, cfg.RetryBaseDelay}, {"RetryMaxDelay", cfg.RetryMaxDelay < 0, cfg.RetryMaxDelay},
+	} {
+		if f.negative {
+			return nil, fmt.Errorf("outbox: RelayConfig.%s: must not be negative, got %v", f.name, f.v)
+		}
 	}
 	cfg.BatchSize = cmp.Or(cfg.BatchSize, 500)
 	cfg.PollInterval = cmp.Or(cfg.PollInterval, time.Second)
