@@ -221,7 +221,8 @@ func (s *store) apply(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o O
 
 // workerConfig is the run command's configuration (flags in main.go).
 type workerConfig struct {
-	Brokers        []string // empty: start an in-process kfake cluster
+	Brokers        []string  // empty: start an in-process kfake cluster
+	KafkaOpts      []kgo.Opt // TLS and SASL, from the --tls* and --sasl-* flags
 	Topic          string
 	EventsTopic    string // where the order.accepted events go
 	DatabaseURL    string
@@ -341,6 +342,7 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		TracerProvider:  tel.tracerProvider,
 		MeterProvider:   tel.meterProvider,
 		Logger:          log,
+		ClientOpts:      cfg.KafkaOpts,
 	})
 	if err != nil {
 		return err
@@ -354,7 +356,7 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		Brokers: cfg.Brokers,
 		// Like the consumer's dead-letter topic: created on first use
 		// where the brokers allow it.
-		ClientOpts:     []kgo.Opt{kgo.AllowAutoTopicCreation()},
+		ClientOpts:     append([]kgo.Opt{kgo.AllowAutoTopicCreation()}, cfg.KafkaOpts...),
 		TracerProvider: tel.tracerProvider,
 		MeterProvider:  tel.meterProvider,
 		Logger:         log,

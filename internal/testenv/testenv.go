@@ -325,6 +325,8 @@ func UniqueName(prefix string) string {
 type Kafka struct {
 	Brokers []string
 	Cluster *kfake.Cluster // nil for an external broker or a container
+	// ClientOpts connect a client to it (TLS and SASL for SecureKafka).
+	ClientOpts []kgo.Opt
 }
 
 // NewKafka returns the test's Kafka per the package rules. opts apply to the
@@ -383,7 +385,7 @@ func (k *Kafka) CreateTopic(t testing.TB, prefix string, partitions int32) strin
 // request versions name topics by id only).
 func (k *Kafka) CreateTopicNamed(t testing.TB, topic string, partitions int32) kadm.TopicID {
 	t.Helper()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(k.Brokers...))
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...)...)
 	if err != nil {
 		t.Fatalf("testenv: kafka client: %v", err)
 	}
@@ -403,7 +405,7 @@ func (k *Kafka) CreateTopicNamed(t testing.TB, topic string, partitions int32) k
 // Client returns a plain producer/admin client for the test, closed at cleanup.
 func (k *Kafka) Client(t testing.TB, opts ...kgo.Opt) *kgo.Client {
 	t.Helper()
-	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, opts...)...)
+	cl, err := kgo.NewClient(append(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...), opts...)...)
 	if err != nil {
 		t.Fatalf("testenv: kafka client: %v", err)
 	}
