@@ -80,6 +80,7 @@ type Relay struct {
 	oldest  metric.Float64ObservableGauge
 
 	published, batches, produceErrs, deleted atomic.Int64
+	running, dbDown                          atomic.Bool
 }
 
 type relayQueries struct {
@@ -171,6 +172,12 @@ func (r *Relay) Stats() RelayStats {
 		ProduceErrors: r.produceErrs.Load(), Deleted: r.deleted.Load()}
 }
 
+// Ready reports whether Run is publishing and the database answered the
+// relay's most recent query (it asks at least every PollInterval). Use it
+// for readiness probes: while the database is unreachable the relay
+// publishes nothing, and its rows wait in the outbox.
+func (r *Relay) Ready() bool { return r.running.Load() && !r.dbDown.Load() }
+
 // Run publishes until ctx is done, then returns nil after the batch in
 // flight (bounded by ProduceTimeout). It may be called once.
 func (r *Relay) Run(ctx context.Context) error {
@@ -187,6 +194,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		return fmt.Errorf("outbox: kafka client: %w", err)
 	}
 	defer cl.Close()
+	r.running.Store(true)
+	defer r.running.Store(false)
 	hooks := testhook.RelayFrom(ctx)
 	if reg, err := r.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		st, err := r.outbox.Status(ctx, r.cfg.Pool)
@@ -266,10 +275,12 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 	}
 	if err != nil {
 		if ctx.Err() == nil {
+			r.dbDown.Store(true)
 			r.cfg.Logger.Warn("oncely outbox: reading pending shards failed", "err", err)
 		}
 		return false, time.Now().Add(r.backoff.Delay(1)), nil
 	}
+	r.dbDown.Store(false)
 	rand.Shuffle(len(shards), func(i, j int) { shards[i], shards[j] = shards[j], shards[i] })
 	now := time.Now()
 	for _, shard := range shards {

@@ -649,6 +649,45 @@ func TestHealthz(t *testing.T) {
 	stopAll(t, w)
 }
 
+// TestHealthzDatabaseOutage: the worker's database becomes unreachable (a
+// proxy between them drops every connection): GET /healthz answers 503
+// although no record arrives, the process keeps running, and once the
+// database is back it answers 200 and consumes again.
+func TestHealthzDatabaseOutage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	proxy := testenv.NewPostgresProxy(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	w := e.startWithEnv("worker-1", []string{"DATABASE_URL=" + proxy.URL})
+	var addr string
+	waitHealth := func(what string, want int) {
+		t.Helper()
+		if err := poll(ctx, time.Minute, 10*time.Millisecond, what, func(context.Context) (bool, error) {
+			if err := alive(w); err != nil {
+				return false, err
+			}
+			if m := w.find(httpAddrRE); m != nil {
+				addr = m[1]
+			}
+			return addr != "" && healthz(t, addr) == want, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitHealth("GET /healthz = 200", http.StatusOK)
+	proxy.Cut()
+	waitHealth("GET /healthz = 503 with the database cut off", http.StatusServiceUnavailable)
+	proxy.Restore()
+	waitHealth("GET /healthz = 200 with the database back", http.StatusOK)
+	one := generate(orderSpec{Count: 1, Customers: 1}, newRand())
+	if err := produce(ctx, e.cl, e.topic, one.Deliveries, 0); err != nil {
+		t.Fatal(err)
+	}
+	e.waitEffects(ctx, 1, time.Minute, w)
+	stopAll(t, w)
+}
+
 func healthz(t *testing.T, addr string) int {
 	t.Helper()
 	req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+addr+"/healthz", nil)

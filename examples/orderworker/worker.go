@@ -365,6 +365,7 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		return err
 	}
 	h.consumer.Store(c)
+	h.relay.Store(relay)
 
 	// The relay runs until the consumer has drained (its last transactions
 	// enqueue events too) and the outbox is empty, or relayFlushTimeout has
@@ -440,16 +441,20 @@ func startKfake(topic, eventsTopic string) (*kfake.Cluster, error) {
 }
 
 // health answers GET /healthz: 200 once the schema is migrated and the
-// consumer is ready (polling, and the database answered its last attempt),
-// 503 otherwise.
+// consumer and the relay are ready (running, and the database answered
+// their last attempt), 503 otherwise.
 type health struct {
 	migrated atomic.Bool
 	consumer atomic.Pointer[consumer.Consumer]
+	relay    atomic.Pointer[outbox.Relay]
 }
 
+// ready: the relay asks the database every poll interval, so an
+// unreachable database shows within about a second even when no record
+// arrives.
 func (h *health) ready() bool {
-	c := h.consumer.Load()
-	return h.migrated.Load() && c != nil && c.Ready()
+	c, r := h.consumer.Load(), h.relay.Load()
+	return h.migrated.Load() && c != nil && c.Ready() && r != nil && r.Ready()
 }
 
 func (h *health) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
