@@ -5,8 +5,9 @@ export DATABASE_URL
 
 GO ?= go
 TEST_FLAGS ?= -race -count=1 -timeout 20m
+FUZZTIME ?= 30s
 
-.PHONY: demo test test-modes test-crashpoints test-containers bench bench-outbox lint vet fmt-check
+.PHONY: demo test test-modes test-crashpoints test-containers fuzz bench bench-outbox lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -36,6 +37,12 @@ test-crashpoints:
 ## See scripts/test-containers.sh; arguments through TEST_CONTAINERS_ARGS.
 test-containers:
 	scripts/test-containers.sh $(TEST_CONTAINERS_ARGS)
+
+## fuzz: every fuzz target of the module in turn, FUZZTIME each (default 30s;
+## FUZZ_PARALLEL=1 leaves cores to others). A failing input is written to the
+## package's testdata/fuzz/FuzzXxx/: commit it with the fix. See scripts/fuzz.sh.
+fuzz:
+	FUZZTIME=$(FUZZTIME) GO=$(GO) scripts/fuzz.sh
 
 ## bench: the consumer against a raw-SQL ceiling, a naive at-least-once consumer and
 ## Watermill, in one run (kfake and DATABASE_URL), with the ratios and the targets of

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -253,8 +254,23 @@ type HeaderPolicy struct {
 	Allow []string
 }
 
-// sensitive are substrings of header keys that are never copied.
-var sensitive = []string{"authorization", "cookie", "token", "secret", "password", "passwd", "api-key", "apikey", "credential", "signature", "session"}
+// sensitive are substrings of header keys (lower-cased, underscores read as
+// dashes) that are never copied.
+var sensitive = []string{"authorization", "cookie", "token", "secret", "password", "passwd", "api-key", "apikey",
+	"credential", "signature", "session", "jwt", "bearer", "private-key", "privatekey"}
+
+// isSensitive reports whether a lower-cased header key looks like it carries
+// a credential: it contains one of sensitive, or a dash-separated word
+// "auth" (X-Auth, but not author).
+func isSensitive(k string) bool {
+	k = strings.ReplaceAll(k, "_", "-")
+	for _, s := range sensitive {
+		if strings.Contains(k, s) {
+			return true
+		}
+	}
+	return slices.Contains(strings.Split(k, "-"), "auth")
+}
 
 // alwaysKept are copied whatever the policy says.
 var alwaysKept = []string{HeaderMessageIDDefault, "traceparent", "tracestate"}
@@ -273,10 +289,8 @@ func (p HeaderPolicy) Keep(key string) bool {
 	if strings.HasPrefix(k, Prefix) || k == HeaderRedrive {
 		return false // oncely's own headers are written afresh
 	}
-	for _, s := range sensitive {
-		if strings.Contains(k, s) {
-			return false
-		}
+	if isSensitive(k) {
+		return false
 	}
 	if len(p.Allow) == 0 {
 		return true

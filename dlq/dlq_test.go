@@ -124,6 +124,39 @@ func TestNewRecord(t *testing.T) {
 	}
 }
 
+// A dead-letter record keeps no credential-like header of the source
+// record, whatever its spelling, under the default policy and under an
+// allow-list that names them; the values appear nowhere in it.
+func TestNewRecordDropsCredentials(t *testing.T) {
+	t.Parallel()
+	keys := []string{
+		"Authorization", "PROXY-AUTHORIZATION", "x-authorization-context", "Cookie", "set-cookie",
+		"X-Auth-Token", "x-amz-security-token", "X-Csrf-Token", "X-Api-Key", "x-apikey", "X_API_KEY", "api_key",
+		"X-Auth", "x-jwt-assertion", "X-Bearer", "client_secret", "X-Webhook-Secret", "password", "db-passwd",
+		"X-Credential", "Stripe-Signature", "webhook-signature", "X-Hub-Signature-256", "session-id", "Private-Key", "x-private_key",
+	}
+	src := &kgo.Record{Topic: "orders", Value: []byte("v"), Headers: []kgo.RecordHeader{{Key: "tenant", Value: []byte("t")}}}
+	for i, k := range keys {
+		src.Headers = append(src.Headers, kgo.RecordHeader{Key: k, Value: []byte(fmt.Sprintf("credential-value-%d", i))})
+	}
+	for name, policy := range map[string]dlq.HeaderPolicy{
+		"default":    {},
+		"allow-list": {Allow: append([]string{"tenant"}, keys...)},
+	} {
+		rec := dlq.NewRecord("orders.dlq", src, sampleInfo(), policy)
+		kept := false
+		for _, h := range rec.Headers {
+			kept = kept || h.Key == "tenant"
+			if strings.Contains(string(h.Value), "credential-value-") {
+				t.Errorf("%s policy: header %q = %q carries a credential of the source record", name, h.Key, h.Value)
+			}
+		}
+		if !kept {
+			t.Errorf("%s policy dropped the plain header tenant", name)
+		}
+	}
+}
+
 func TestPermanentMarkers(t *testing.T) {
 	t.Parallel()
 	base := errors.New("bad amount")

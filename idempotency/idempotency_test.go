@@ -46,6 +46,13 @@ type env struct {
 // middleware before the server starts (to set test hooks).
 func setup(t *testing.T, cfg idempotency.Config, routes map[string]http.Handler, arm ...func(*idempotency.Middleware)) *env {
 	t.Helper()
+	return setupVia(t, nil, cfg, routes, arm...)
+}
+
+// setupVia is setup with the middleware reaching Postgres through proxy
+// (nil: directly); the test's own queries go directly.
+func setupVia(t *testing.T, proxy *testenv.PostgresProxy, cfg idempotency.Config, routes map[string]http.Handler, arm ...func(*idempotency.Middleware)) *env {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	t.Cleanup(cancel)
 	db := testenv.Postgres(t)
@@ -67,7 +74,11 @@ func setup(t *testing.T, cfg idempotency.Config, routes map[string]http.Handler,
 	}
 	cfg.Schema = db.Schema
 	cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
-	e.mw, err = idempotency.New(db.Pool, cfg)
+	var pool idempotency.DB = db.Pool
+	if proxy != nil {
+		pool = proxy.Pool(t, db.Schema, 8)
+	}
+	e.mw, err = idempotency.New(pool, cfg)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
@@ -779,6 +790,65 @@ func TestCrashBeforeCommitFreesKey(t *testing.T) {
 	}
 }
 
+// blockFirstOrder is the orders handler of *e, counting its runs in calls,
+// whose first run, after writing its effect, closes entered and waits for
+// release.
+func blockFirstOrder(e **env, calls *atomic.Int32, entered, release chan struct{}) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if err := (*e).writeEffect(r); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		if calls.Add(1) == 1 {
+			close(entered)
+			<-release
+		}
+		(*e).answerCreated(w, r)
+	})
+}
+
+// TestDatabaseGoneMidRequest: the database becomes unreachable while a
+// keyed request's handler runs (key claimed, effect written, transaction
+// open). The client gets 503 with Retry-After, nothing of the request is
+// left in the database, further requests get 503 while it is away, and the
+// retry once it is back runs the handler afresh, once.
+func TestDatabaseGoneMidRequest(t *testing.T) {
+	t.Parallel()
+	entered, release := make(chan struct{}), make(chan struct{})
+	proxy := testenv.NewPostgresProxy(t)
+	var e *env
+	e = setupVia(t, proxy, idempotency.Config{}, map[string]http.Handler{"/req/orders": blockFirstOrder(&e, new(atomic.Int32), entered, release)})
+	key := uuid.NewString()
+	first := make(chan response, 1)
+	go func() {
+		r, err := e.send(freshClient(), http.MethodPost, "/req/orders", key, `{"sku":"E"}`)
+		if err != nil {
+			t.Errorf("first request: %v", err)
+		}
+		first <- r
+	}()
+	<-entered
+	proxy.Cut()
+	close(release)
+	if r := <-first; r.status != http.StatusServiceUnavailable || r.header.Get("Retry-After") == "" {
+		t.Fatalf("the request whose database went away: %s, want 503 with Retry-After", r)
+	}
+	if r := e.post("/req/orders", key, `{"sku":"E"}`); r.status != http.StatusServiceUnavailable || r.header.Get("Retry-After") == "" {
+		t.Fatalf("a retry while the database is away: %s, want 503 with Retry-After", r)
+	}
+	if n := e.effectsFor(key); n != 0 {
+		t.Fatalf("%d effect rows of the failed request, want none", n)
+	}
+	if n := e.count(e.keys, "key = $1", key); n != 0 {
+		t.Fatalf("%d key rows of the failed request, want none", n)
+	}
+	proxy.Restore()
+	requireCreated(t, e.postUntilDone("/req/orders", key, `{"sku":"E"}`))
+	if n := e.effectsFor(key); n != 1 {
+		t.Fatalf("%d effect rows after the retry, want 1", n)
+	}
+}
+
 // TestCrashAfterCommitReplays: the server "dies" after the commit and
 // before the response left (a crash hook aborts the connection). The client
 // gets no response; its retry gets the committed response as a replay, and
@@ -828,19 +898,7 @@ func TestClientGoneMidRequest(t *testing.T) {
 	entered, release := make(chan struct{}), make(chan struct{})
 	var calls atomic.Int32
 	var e *env
-	e = setup(t, idempotency.Config{}, map[string]http.Handler{
-		"/req/orders": http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if err := e.writeEffect(r); err != nil {
-				http.Error(w, err.Error(), http.StatusInternalServerError)
-				return
-			}
-			if calls.Add(1) == 1 {
-				close(entered)
-				<-release
-			}
-			e.answerCreated(w, r)
-		}),
-	})
+	e = setup(t, idempotency.Config{}, map[string]http.Handler{"/req/orders": blockFirstOrder(&e, &calls, entered, release)})
 	key := uuid.NewString()
 	done := make(chan error, 1)
 	go func() {

@@ -48,6 +48,10 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 			_, err := outbox.NewRelay(outbox.RelayConfig{Pool: testenv.Postgres(t).Pool})
 			return err
 		}(), "RelayConfig.Brokers"},
+		{func() error {
+			_, err := outbox.NewRelay(outbox.RelayConfig{Pool: testenv.Postgres(t).Pool, Brokers: []string{"b"}, CleanupBatch: -1})
+			return err
+		}(), "RelayConfig.CleanupBatch"},
 	} {
 		if tc.err == nil || !strings.Contains(tc.err.Error(), tc.field) {
 			t.Errorf("error %v does not name %s", tc.err, tc.field)

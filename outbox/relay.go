@@ -80,6 +80,7 @@ type Relay struct {
 	oldest  metric.Float64ObservableGauge
 
 	published, batches, produceErrs, deleted atomic.Int64
+	running, dbDown                          atomic.Bool
 }
 
 type relayQueries struct {
@@ -105,11 +106,27 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		return nil, errors.New("outbox: RelayConfig.Pool: a *pgxpool.Pool is required")
 	case len(cfg.Brokers) == 0:
 		return nil, errors.New("outbox: RelayConfig.Brokers: at least one seed broker is required")
-	case cfg.BatchSize < 0, cfg.PollInterval < 0, cfg.NotifyDebounce < 0, cfg.Retention < 0,
-		cfg.CleanupInterval < 0, cfg.CleanupBatch < 0, cfg.RetryBaseDelay < 0, cfg.RetryMaxDelay < 0:
-		return nil, errors.New("outbox: RelayConfig: BatchSize, PollInterval, NotifyDebounce, Retention, CleanupInterval, CleanupBatch and the retry delays must not be negative")
 	case cfg.ProduceTimeout != 0 && cfg.ProduceTimeout < time.Second:
 		return nil, fmt.Errorf("outbox: RelayConfig.ProduceTimeout: must be at least 1s, got %s", cfg.ProduceTimeout)
+	}
+	for i, b := range cfg.Brokers {
+		if b == "" {
+			return nil, fmt.Errorf("outbox: RelayConfig.Brokers: broker %d is empty", i)
+		}
+	}
+	for _, f := range []struct {
+		name     string
+		negative bool
+		v        any
+	}{
+		{"BatchSize", cfg.BatchSize < 0, cfg.BatchSize}, {"PollInterval", cfg.PollInterval < 0, cfg.PollInterval},
+		{"NotifyDebounce", cfg.NotifyDebounce < 0, cfg.NotifyDebounce}, {"Retention", cfg.Retention < 0, cfg.Retention},
+		{"CleanupInterval", cfg.CleanupInterval < 0, cfg.CleanupInterval}, {"CleanupBatch", cfg.CleanupBatch < 0, cfg.CleanupBatch},
+		{"RetryBaseDelay", cfg.RetryBaseDelay < 0, cfg.RetryBaseDelay}, {"RetryMaxDelay", cfg.RetryMaxDelay < 0, cfg.RetryMaxDelay},
+	} {
+		if f.negative {
+			return nil, fmt.Errorf("outbox: RelayConfig.%s: must not be negative, got %v", f.name, f.v)
+		}
 	}
 	cfg.BatchSize = cmp.Or(cfg.BatchSize, 500)
 	cfg.PollInterval = cmp.Or(cfg.PollInterval, time.Second)
@@ -155,6 +172,12 @@ func (r *Relay) Stats() RelayStats {
 		ProduceErrors: r.produceErrs.Load(), Deleted: r.deleted.Load()}
 }
 
+// Ready reports whether Run is publishing and the database answered the
+// relay's most recent query (it asks at least every PollInterval). Use it
+// for readiness probes: while the database is unreachable the relay
+// publishes nothing, and its rows wait in the outbox.
+func (r *Relay) Ready() bool { return r.running.Load() && !r.dbDown.Load() }
+
 // Run publishes until ctx is done, then returns nil after the batch in
 // flight (bounded by ProduceTimeout). It may be called once.
 func (r *Relay) Run(ctx context.Context) error {
@@ -171,6 +194,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		return fmt.Errorf("outbox: kafka client: %w", err)
 	}
 	defer cl.Close()
+	r.running.Store(true)
+	defer r.running.Store(false)
 	hooks := testhook.RelayFrom(ctx)
 	if reg, err := r.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		st, err := r.outbox.Status(ctx, r.cfg.Pool)
@@ -250,10 +275,12 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 	}
 	if err != nil {
 		if ctx.Err() == nil {
+			r.dbDown.Store(true)
 			r.cfg.Logger.Warn("oncely outbox: reading pending shards failed", "err", err)
 		}
 		return false, time.Now().Add(r.backoff.Delay(1)), nil
 	}
+	r.dbDown.Store(false)
 	rand.Shuffle(len(shards), func(i, j int) { shards[i], shards[j] = shards[j], shards[i] })
 	now := time.Now()
 	for _, shard := range shards {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -259,5 +260,44 @@ func TestReceiverConfigErrors(t *testing.T) {
 	}
 	if _, err := New(ok); err != nil {
 		t.Fatalf("a valid config: %v", err)
+	}
+}
+
+// The secrets appear in no log line, response or error of the Receiver,
+// whatever the request: refusals of every kind and a delivery that cannot be
+// stored, logged at debug level. (FuzzVerifierConfig covers the
+// constructors' and Verify's errors.)
+func TestSecretsStayOutOfLogs(t *testing.T) {
+	var logs bytes.Buffer
+	const other = "whsec_b3RoZXItc2VjcmV0LW5vYm9keS1jb25maWd1cmVk"
+	_, srv := newTestReceiver(t, func(c *Config) {
+		c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	})
+	now := time.Now()
+	requests := []*http.Request{
+		signedRequest(t, srv.URL, testSecret, "msg_ok", strings.NewReader("{}"), "{}", now),                  // 503: no database
+		signedRequest(t, srv.URL, other, "msg_wrong", strings.NewReader("{}"), "{}", now),                    // 401: another secret
+		signedRequest(t, srv.URL, testSecret, "msg_old", strings.NewReader("{}"), "{}", now.Add(-time.Hour)), // 401: stale
+		signedRequest(t, srv.URL, testSecret, "msg_body", strings.NewReader("{ }"), "{}", now),               // 401: body changed
+	}
+	unsigned, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	requests = append(requests, unsigned)
+	var bodies strings.Builder
+	for _, r := range requests {
+		status, _, body := do(t, r)
+		if status < 400 {
+			t.Fatalf("%s: status %d, want a refusal or 503", r.Header.Get("webhook-id"), status)
+		}
+		bodies.WriteString(body)
+	}
+	key := strings.TrimPrefix(testSecret, "whsec_")
+	if strings.Contains(logs.String(), key) || strings.Contains(bodies.String(), key) {
+		t.Fatalf("a secret leaked:\nlogs:\n%s\nresponses:\n%s", logs.String(), bodies.String())
+	}
+	if strings.Count(logs.String(), "request refused") != 4 || !strings.Contains(logs.String(), "delivery not stored") {
+		t.Fatalf("want 4 refusals and a failed store logged (else nothing was checked):\n%s", logs.String())
 	}
 }

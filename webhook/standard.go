@@ -73,7 +73,7 @@ func (v *standardWebhooks) Verify(r *http.Request, body []byte, now time.Time) (
 		if e.version != "v1" {
 			continue
 		}
-		if b, err := base64.StdEncoding.Strict().DecodeString(e.value); err == nil {
+		if b, ok := decodeSignature(e.value); ok {
 			sigs = append(sigs, b)
 		}
 	}
@@ -110,6 +110,17 @@ func parseSignatureList(h string) []sigEntry {
 }
 
 func isSpaceOrTab(r rune) bool { return r == ' ' || r == '\t' }
+
+// decodeSignature decodes a v1 signature: canonical standard base64 and
+// nothing else. The decoder alone skips CR and LF anywhere in its input, so
+// those are refused first: one signature has one spelling.
+func decodeSignature(s string) ([]byte, bool) {
+	if strings.ContainsAny(s, "\r\n") {
+		return nil, false
+	}
+	b, err := base64.StdEncoding.Strict().DecodeString(s)
+	return b, err == nil
+}
 
 // truncate shortens attacker-controlled text quoted in an error.
 func truncate(s string) string {

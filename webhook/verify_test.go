@@ -164,6 +164,13 @@ func TestVerifyStandardWebhooks(t *testing.T) {
 		{name: "no v1 signature", headers: with(good, "webhook-signature", "v1a,aGVsbG8= v2,abc"), reason: ErrMissingSignature},
 		{name: "bare base64 without version", headers: with(good, "webhook-signature", strings.TrimPrefix(good["webhook-signature"], "v1,")), reason: ErrMissingSignature},
 		{name: "v1 value not base64", headers: with(good, "webhook-signature", "v1,not*base64"), reason: ErrMissingSignature},
+		// Found by FuzzStandardWebhooksSignatureHeader: Go's base64 decoder
+		// skips CR and LF, so a genuine signature with a line break inside
+		// was a second spelling of it that passed.
+		{name: "v1 value with a line break inside", headers: with(good, "webhook-signature",
+			good["webhook-signature"][:9]+"\n"+good["webhook-signature"][9:]), reason: ErrMissingSignature},
+		{name: "v1 value with a carriage return inside", headers: with(good, "webhook-signature",
+			good["webhook-signature"][:9]+"\r"+good["webhook-signature"][9:]), reason: ErrMissingSignature},
 		{name: "no id", headers: with(good, "webhook-id", ""), reason: ErrMalformedHeader},
 		{name: "no timestamp", headers: with(good, "webhook-timestamp", ""), reason: ErrMalformedHeader},
 		{name: "timestamp not a number", headers: with(good, "webhook-timestamp", "yesterday"), reason: ErrMalformedHeader},

@@ -100,7 +100,8 @@ func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) ([]dlq.Entry, []kgo.O
 	defer cancel()
 	entries, err := dlq.List(lctx, opts, d.topic, f)
 	if err != nil {
-		return nil, nil, fmt.Errorf("cannot read %s from Kafka at %s (timeout %s): %w", d.topic, d.kafka.brokers, d.kafka.timeout, err)
+		return nil, nil, fmt.Errorf("cannot read %s from Kafka at %s (timeout %s): %w", d.topic, d.kafka.brokers, d.kafka.timeout,
+			d.kafka.security.Explain(err))
 	}
 	return entries, opts, nil
 }

@@ -11,8 +11,11 @@
 //	oncely webhooks status|pause|resume ...
 //
 // Kafka commands take --brokers (or KAFKA_BROKERS), TLS (--tls, --tls-ca,
-// --tls-cert, --tls-key) and SASL (--sasl-mechanism, --sasl-user,
-// --sasl-password) flags. Exit status: 0 ok, 1 failure, 2 bad usage.
+// --tls-cert, --tls-key, --tls-insecure-skip-verify) and SASL
+// (--sasl-mechanism, --sasl-user, --sasl-password, or KAFKA_SASL_MECHANISM,
+// KAFKA_SASL_USER, KAFKA_SASL_PASSWORD) flags, shared with the orderworker
+// example. Passwords from the environment are read after parsing, so -h
+// never prints them. Exit status: 0 ok, 1 failure, 2 bad usage.
 package main
 
 import (

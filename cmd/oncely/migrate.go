@@ -11,20 +11,27 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncely/oncely/internal/kafkaflags"
 	"github.com/oncely/oncely/migrations"
 )
 
 // dbFlags are the flags of commands that talk to Postgres.
 type dbFlags struct {
 	url, schema string
+	fs          *flag.FlagSet
 }
 
 func (d *dbFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&d.url, "database-url", os.Getenv("DATABASE_URL"), "Postgres connection string (env DATABASE_URL)")
+	d.fs = fs
+	// No default from the environment: -h would print it, password included.
+	fs.StringVar(&d.url, "database-url", "", "Postgres connection string (env DATABASE_URL)")
 	fs.StringVar(&d.schema, "schema", "oncely", "schema of oncely's tables")
 }
 
 func (d *dbFlags) connect(ctx context.Context, timeout time.Duration) (*pgxpool.Pool, error) {
+	if d.url == "" && d.fs != nil && !kafkaflags.Given(d.fs, "database-url") {
+		d.url = os.Getenv("DATABASE_URL")
+	}
 	if d.url == "" {
 		return nil, usageErr("--database-url: required (or set DATABASE_URL)")
 	}

@@ -64,6 +64,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/kafkaflags"
 	"github.com/oncely/oncely/webhook"
 )
 
@@ -150,13 +151,15 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	// No default from the environment here: flag's usage text would print
 	// it. WEBHOOK_SECRET is read below unless the flag was given.
 	secrets := fs.String("webhook-secret", "", "Standard Webhooks secret(s) of POST /webhooks/orders, whsec_<base64>, comma-separated while rotating (env WEBHOOK_SECRET, better: a command line is visible to every user of the machine); empty: the route answers 503")
+	var kafkaSecurity kafkaflags.Flags
+	kafkaSecurity.Register(fs, getenv)
 	if err := parse(fs, args); err != nil {
 		return cfg, err
 	}
-	if !flagSet(fs, "webhook-secret") {
+	if !kafkaflags.Given(fs, "webhook-secret") {
 		*secrets = getenv("WEBHOOK_SECRET")
 	}
-	if !flagSet(fs, "database-url") {
+	if !kafkaflags.Given(fs, "database-url") {
 		cfg.DatabaseURL = envOr(getenv, "DATABASE_URL", defaultDatabaseURL)
 	}
 	if cfg.WebhookSecrets, err = parseSecrets(*secrets); err != nil {
@@ -172,10 +175,13 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	if cfg.Brokers, err = parseBrokers(*brokers); err != nil {
 		return cfg, invalidFlag("--brokers (KAFKA_BROKERS)", err)
 	}
+	if cfg.KafkaOpts, err = kafkaOpts(&kafkaSecurity, cfg.Brokers); err != nil {
+		return cfg, err
+	}
 	if cfg.KeyParallelism, err = strconv.Atoi(*keyPar); err != nil || cfg.KeyParallelism < 1 {
 		return cfg, invalidFlag("--key-parallelism (KEY_PARALLELISM)", fmt.Errorf("want a whole number of at least 1, got %q", *keyPar))
 	}
-	if cfg.KeyParallelism > 1 && !flagSet(fs, "batch-size") && getenv("BATCH_SIZE") == "" {
+	if cfg.KeyParallelism > 1 && !kafkaflags.Given(fs, "batch-size") && getenv("BATCH_SIZE") == "" {
 		*batchSize = "1"
 	}
 	if cfg.BatchSize, err = strconv.Atoi(*batchSize); err != nil || cfg.BatchSize < 1 {
@@ -256,6 +262,19 @@ func envOr(getenv func(string) string, key, def string) string {
 	return def
 }
 
+// kafkaOpts returns the franz-go options of the TLS and SASL flags. They
+// need --brokers: the in-process kfake cluster speaks neither.
+func kafkaOpts(f *kafkaflags.Flags, brokers []string) ([]kgo.Opt, error) {
+	opts, err := f.Opts()
+	if err != nil {
+		return nil, fmt.Errorf("invalid %w", err)
+	}
+	if len(opts) > 0 && len(brokers) == 0 {
+		return nil, invalidFlag("--brokers (KAFKA_BROKERS)", errors.New("the TLS and SASL flags need brokers to connect to; the in-process kfake cluster takes neither"))
+	}
+	return opts, nil
+}
+
 // parseBrokers splits a comma-separated list; an empty list is allowed
 // (in-process kfake), an empty entry is not.
 func parseBrokers(s string) ([]string, error) {
@@ -274,11 +293,6 @@ func parseBrokers(s string) ([]string, error) {
 }
 
 // flagSet reports whether the command line set the flag name.
-func flagSet(fs *flag.FlagSet, name string) bool {
-	set := false
-	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
-	return set
-}
 
 // parseSecrets splits a comma-separated list of Standard Webhooks secrets and
 // checks that each is whsec_ followed by base64; an empty list is allowed
@@ -323,6 +337,8 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	dupRate := fs.Float64("dup-rate", 0.2, "fraction of orders produced a second time with the same message-id")
 	customers := fs.Int("customers", 50, "number of distinct customers")
 	rate := fs.Int("rate", 0, "records per second; 0: as fast as possible")
+	var kafkaSecurity kafkaflags.Flags
+	kafkaSecurity.Register(fs, getenv)
 	if err := parse(fs, args); err != nil {
 		return usageExit(stderr, err)
 	}
@@ -332,6 +348,10 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	}
 	if err != nil {
 		return usageExit(stderr, invalidFlag("--brokers (KAFKA_BROKERS)", err))
+	}
+	kopts, err := kafkaOpts(&kafkaSecurity, bs)
+	if err != nil {
+		return usageExit(stderr, err)
 	}
 	spec := orderSpec{Count: *count, Customers: *customers, DupRate: *dupRate}
 	if name, err := spec.validate(); err != nil {
@@ -343,7 +363,7 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(bs...))
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(bs...)}, kopts...)...)
 	if err != nil {
 		printf(stderr, "orderworker: kafka client: %v\n", err)
 		return exitError

@@ -85,7 +85,13 @@ func newEnv(t *testing.T, partitions int32) *env {
 	t.Helper()
 	workerBinary(t) // build first, so that the test's timings are the workers'
 	// kfake's minimum session timeout is 6s; the churn test uses 3s.
-	k := testenv.NewKafka(t, kfake.GroupMinSessionTimeout(time.Second))
+	return newEnvOn(t, testenv.NewKafka(t, kfake.GroupMinSessionTimeout(time.Second)), partitions)
+}
+
+// newEnvOn is newEnv on the given Kafka.
+func newEnvOn(t *testing.T, k *testenv.Kafka, partitions int32) *env {
+	t.Helper()
+	workerBinary(t)
 	e := &env{
 		t: t, db: testenv.Postgres(t), kafka: k,
 		topic:  k.CreateTopic(t, "orders", partitions),
@@ -645,6 +651,45 @@ func TestHealthz(t *testing.T) {
 	stopAll(t, w)
 }
 
+// TestHealthzDatabaseOutage: the worker's database becomes unreachable (a
+// proxy between them drops every connection): GET /healthz answers 503
+// although no record arrives, the process keeps running, and once the
+// database is back it answers 200 and consumes again.
+func TestHealthzDatabaseOutage(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	proxy := testenv.NewPostgresProxy(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	w := e.startWithEnv("worker-1", []string{"DATABASE_URL=" + proxy.URL})
+	var addr string
+	waitHealth := func(what string, want int) {
+		t.Helper()
+		if err := poll(ctx, time.Minute, 10*time.Millisecond, what, func(context.Context) (bool, error) {
+			if err := alive(w); err != nil {
+				return false, err
+			}
+			if m := w.find(httpAddrRE); m != nil {
+				addr = m[1]
+			}
+			return addr != "" && healthz(t, addr) == want, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitHealth("GET /healthz = 200", http.StatusOK)
+	proxy.Cut()
+	waitHealth("GET /healthz = 503 with the database cut off", http.StatusServiceUnavailable)
+	proxy.Restore()
+	waitHealth("GET /healthz = 200 with the database back", http.StatusOK)
+	one := generate(orderSpec{Count: 1, Customers: 1}, newRand())
+	if err := produce(ctx, e.cl, e.topic, one.Deliveries, 0); err != nil {
+		t.Fatal(err)
+	}
+	e.waitEffects(ctx, 1, time.Minute, w)
+	stopAll(t, w)
+}
+
 func healthz(t *testing.T, addr string) int {
 	t.Helper()
 	req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+addr+"/healthz", nil)
@@ -892,6 +937,15 @@ func TestFlags(t *testing.T) {
 		// -h prints the flags' defaults: the secret from the environment is none of them.
 		{args: []string{"run", "-h"}, env: map[string]string{"WEBHOOK_SECRET": "whsec_c2VjcmV0LWtleQ=="}, hide: "c2VjcmV0LWtleQ"},
 		{env: map[string]string{"ONCELY_TEST_ORDERS_HALT": "sometimes"}, want: "ONCELY_TEST_ORDERS_HALT"},
+		// Kafka's TLS and SASL flags (shared with the oncely CLI).
+		{args: []string{"--sasl-mechanism", "scram-sha-256", "--sasl-user", "u"}, env: map[string]string{"KAFKA_SASL_PASSWORD": "sasl-pw-9d2e"},
+			want: "--brokers (KAFKA_BROKERS)", hide: "sasl-pw-9d2e"},
+		{args: []string{"--brokers", "x:1", "--sasl-mechanism", "kerberos", "--sasl-user", "u"}, want: "--sasl-mechanism"},
+		{args: []string{"--brokers", "x:1", "--sasl-mechanism", "scram-sha-512", "--sasl-user", "u"}, want: "--sasl-password (KAFKA_SASL_PASSWORD)"},
+		{args: []string{"--brokers", "x:1", "--tls-cert", "c.pem"}, want: "--tls-cert and --tls-key"},
+		{args: []string{"produce", "--brokers", "x:1", "--sasl-mechanism", "plain"}, want: "--sasl-user (KAFKA_SASL_USER)"},
+		{args: []string{"run", "-h"}, env: map[string]string{"KAFKA_SASL_PASSWORD": "sasl-pw-9d2e"}, hide: "sasl-pw-9d2e"},
+		{args: []string{"run", "-h"}, env: map[string]string{"DATABASE_URL": "postgres://u:db-pw-51aa@127.0.0.1:1/x"}, hide: "db-pw-51aa"},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
@@ -1145,4 +1199,25 @@ func promSum(body, name string, labels ...string) (float64, bool) {
 		found = true
 	}
 	return sum, found
+}
+
+// TestKafkaOverTLSAndSCRAM: the worker, given --tls-ca and the --sasl-*
+// flags (the password in KAFKA_SASL_PASSWORD), consumes from a kfake cluster
+// that takes only TLS with SASL SCRAM-SHA-512, and its relay publishes the
+// order's event there.
+func TestKafkaOverTLSAndSCRAM(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewSecureKafka(t, kfake.GroupMinSessionTimeout(time.Second))
+	e := newEnvOn(t, k.Kafka, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	w := e.startWithEnv("secure", []string{"KAFKA_SASL_PASSWORD=" + k.Passwords[testenv.SCRAM512User]},
+		"--tls-ca", k.CAFile, "--sasl-mechanism", "scram-sha-512", "--sasl-user", testenv.SCRAM512User)
+	one := generate(orderSpec{Count: 1, Customers: 1}, newRand())
+	if err := produce(ctx, e.cl, e.topic, one.Deliveries, 0); err != nil {
+		t.Fatal(err)
+	}
+	e.waitEffects(ctx, 1, time.Minute, w)
+	e.waitPublished(ctx, time.Minute, w)
+	stopAll(t, w)
 }

@@ -222,7 +222,8 @@ func (s *store) apply(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o O
 
 // workerConfig is the run command's configuration (flags in main.go).
 type workerConfig struct {
-	Brokers        []string // empty: start an in-process kfake cluster
+	Brokers        []string  // empty: start an in-process kfake cluster
+	KafkaOpts      []kgo.Opt // TLS and SASL, from the --tls* and --sasl-* flags
 	Topic          string
 	EventsTopic    string // where the order.accepted events go
 	DatabaseURL    string
@@ -355,6 +356,7 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		TracerProvider:  tel.tracerProvider,
 		MeterProvider:   tel.meterProvider,
 		Logger:          log,
+		ClientOpts:      cfg.KafkaOpts,
 	})
 	if err != nil {
 		return err
@@ -368,7 +370,7 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		Brokers: cfg.Brokers,
 		// Like the consumer's dead-letter topic: created on first use
 		// where the brokers allow it.
-		ClientOpts:     []kgo.Opt{kgo.AllowAutoTopicCreation()},
+		ClientOpts:     append([]kgo.Opt{kgo.AllowAutoTopicCreation()}, cfg.KafkaOpts...),
 		TracerProvider: tel.tracerProvider,
 		MeterProvider:  tel.meterProvider,
 		Logger:         log,
@@ -377,6 +379,7 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		return err
 	}
 	h.consumer.Store(c)
+	h.relay.Store(relay)
 
 	// The relay runs until the consumer has drained (its last transactions
 	// enqueue events too) and the outbox is empty, or relayFlushTimeout has
@@ -452,16 +455,20 @@ func startKfake(topic, eventsTopic string) (*kfake.Cluster, error) {
 }
 
 // health answers GET /healthz: 200 once the schema is migrated and the
-// consumer is ready (polling, and the database answered its last attempt),
-// 503 otherwise.
+// consumer and the relay are ready (running, and the database answered
+// their last attempt), 503 otherwise.
 type health struct {
 	migrated atomic.Bool
 	consumer atomic.Pointer[consumer.Consumer]
+	relay    atomic.Pointer[outbox.Relay]
 }
 
+// ready: the relay asks the database every poll interval, so an
+// unreachable database shows within about a second even when no record
+// arrives.
 func (h *health) ready() bool {
-	c := h.consumer.Load()
-	return h.migrated.Load() && c != nil && c.Ready()
+	c, r := h.consumer.Load(), h.relay.Load()
+	return h.migrated.Load() && c != nil && c.Ready() && r != nil && r.Ready()
 }
 
 func (h *health) ServeHTTP(w http.ResponseWriter, _ *http.Request) {

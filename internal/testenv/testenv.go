@@ -22,6 +22,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -324,6 +325,8 @@ func UniqueName(prefix string) string {
 type Kafka struct {
 	Brokers []string
 	Cluster *kfake.Cluster // nil for an external broker or a container
+	// ClientOpts connect a client to it (TLS and SASL for SecureKafka).
+	ClientOpts []kgo.Opt
 }
 
 // NewKafka returns the test's Kafka per the package rules. opts apply to the
@@ -382,7 +385,7 @@ func (k *Kafka) CreateTopic(t testing.TB, prefix string, partitions int32) strin
 // request versions name topics by id only).
 func (k *Kafka) CreateTopicNamed(t testing.TB, topic string, partitions int32) kadm.TopicID {
 	t.Helper()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(k.Brokers...))
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...)...)
 	if err != nil {
 		t.Fatalf("testenv: kafka client: %v", err)
 	}
@@ -402,7 +405,7 @@ func (k *Kafka) CreateTopicNamed(t testing.TB, topic string, partitions int32) k
 // Client returns a plain producer/admin client for the test, closed at cleanup.
 func (k *Kafka) Client(t testing.TB, opts ...kgo.Opt) *kgo.Client {
 	t.Helper()
-	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, opts...)...)
+	cl, err := kgo.NewClient(append(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...), opts...)...)
 	if err != nil {
 		t.Fatalf("testenv: kafka client: %v", err)
 	}
@@ -431,4 +434,82 @@ func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bo
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	WaitFor(t, ctx, what, cond)
+}
+
+// UnreachablePool returns a pool for tests that only construct things: it
+// connects lazily, to a port where nothing listens, so it never reaches a
+// server.
+func UnreachablePool(tb testing.TB) *pgxpool.Pool {
+	tb.Helper()
+	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none?connect_timeout=1")
+	if err != nil {
+		tb.Fatalf("testenv: %v", err)
+	}
+	tb.Cleanup(pool.Close)
+	return pool
+}
+
+// SchemaNameValid is the tests' own reading of the documented rule for
+// schema names, independent of package sqlident: lower-case ASCII letters,
+// digits and underscores, not starting with a digit, at most 63 bytes, and
+// not a system schema. Configuration fuzzers compare constructors with it.
+func SchemaNameValid(s string) bool {
+	for i, c := range []byte(s) {
+		if !(c >= 'a' && c <= 'z' || c == '_' || i > 0 && c >= '0' && c <= '9') {
+			return false
+		}
+	}
+	return s != "" && len(s) <= 63 && !strings.HasPrefix(s, "pg_") && s != "information_schema"
+}
+
+// CheckConfigError checks a constructor's answer to a config against the
+// test's own list of the config's invalid fields: it must succeed exactly
+// when no field is invalid, and a refusal must name (as field extracts it
+// from the message) one of the invalid fields.
+func CheckConfigError(tb testing.TB, err error, invalid map[string]bool, field func(msg string) (string, bool)) {
+	tb.Helper()
+	var bad []string
+	for name, b := range invalid {
+		if b {
+			bad = append(bad, name)
+		}
+	}
+	if err == nil {
+		if len(bad) > 0 {
+			tb.Fatalf("a config with invalid fields %v was accepted", bad)
+		}
+		return
+	}
+	name, ok := field(err.Error())
+	switch {
+	case !ok:
+		tb.Fatalf("the error %q names no field", err)
+	case !invalid[name]:
+		tb.Fatalf("the error %q names %s, which is valid (invalid: %v)", err, name, bad)
+	}
+}
+
+// FieldMatch returns a field extractor for CheckConfigError: the last
+// group of re's match in the message.
+func FieldMatch(re *regexp.Regexp) func(msg string) (string, bool) {
+	return func(msg string) (string, bool) {
+		m := re.FindStringSubmatch(msg)
+		if len(m) < 2 {
+			return "", false
+		}
+		return m[len(m)-1], true
+	}
+}
+
+// Signed returns v, or a negative value when bit i of mask is set.
+// Configuration fuzzers derive several fields from one input and use it to
+// make each of them negative on its own.
+func Signed[T ~int | ~int64](mask uint32, i int, v T) T {
+	if mask>>i&1 == 0 {
+		return v
+	}
+	if v < 0 {
+		return v
+	}
+	return -v - 1
 }
