@@ -44,6 +44,8 @@ type report struct {
 	DuplicateEvents int    // orders announced under more than one message id: must be 0
 	MissingEvents   int    // orders produced without an event: must be 0
 	InvalidEvents   int    // records that are not a well-formed event of a produced order: must be 0
+	// events whose seq is not their customer's previous event's plus one: must be 0
+	OutOfOrderEvents int
 }
 
 // ok reports whether every order counted exactly once, and, when the events
@@ -54,10 +56,11 @@ func (r *report) ok() bool {
 }
 
 // eventsOK reports whether every order has exactly one event (by message
-// id) on the events topic; true when the events were not checked.
+// id) on the events topic, in order per customer; true when the events
+// were not checked.
 func (r *report) eventsOK() bool {
 	return r.EventsTopic == "" || (r.DuplicateEvents == 0 && r.MissingEvents == 0 && r.InvalidEvents == 0 &&
-		r.EventIDs == r.UniqueOrders && r.EventOrders == r.UniqueOrders)
+		r.OutOfOrderEvents == 0 && r.EventIDs == r.UniqueOrders && r.EventOrders == r.UniqueOrders)
 }
 
 // print writes the report as a table, the demo's output.
@@ -94,6 +97,7 @@ func (r *report) print(w io.Writer) {
 		}
 		printf(tw, "duplicate events\t%s\n", mustBe0(int64(r.DuplicateEvents)))
 		printf(tw, "missing events\t%s\n", mustBe0(int64(r.MissingEvents)))
+		printf(tw, "events out of order per customer\t%s\n", mustBe0(int64(r.OutOfOrderEvents)))
 		if r.InvalidEvents != 0 {
 			printf(tw, "invalid events\t%s\n", mustBe0(int64(r.InvalidEvents)))
 		}
@@ -181,7 +185,9 @@ func checkEffects(ctx context.Context, pool *pgxpool.Pool, schema, group string,
 // apart by its message id: a relay that died after producing and before
 // marking its rows sent republishes them with the same ids (a downstream
 // inbox dedups those), but a second message id for one order would be a
-// second event, which the inbox upstream is there to prevent.
+// second event, which the inbox upstream is there to prevent. Each
+// customer's events, in topic order and without the republished ones, must
+// number 1, 2, 3...: the outbox keeps one key's events in commit order.
 func checkEvents(ctx context.Context, brokers []string, topic string, b orderBatch, r *report) error {
 	recs, err := readTopic(ctx, brokers, topic)
 	if err != nil {
@@ -193,6 +199,7 @@ func checkEvents(ctx context.Context, brokers []string, topic string, b orderBat
 	}
 	orderOf := make(map[string]string)       // message id -> order id
 	idsOf := make(map[string]map[string]int) // order id -> message ids
+	lastSeq := make(map[string]int64)        // customer -> seq of its latest event
 	r.EventsTopic = topic
 	for _, rec := range recs {
 		var ev OrderAccepted
@@ -200,7 +207,7 @@ func checkEvents(ctx context.Context, brokers []string, topic string, b orderBat
 		dec := json.NewDecoder(bytes.NewReader(rec.Value))
 		dec.DisallowUnknownFields()
 		if header(rec, eventTypeHeader) != orderAcceptedType || id == "" || dec.Decode(&ev) != nil ||
-			string(rec.Key) != ev.OrderID || Order(ev) != produced[ev.OrderID] {
+			string(rec.Key) != ev.CustomerID || ev.Order != produced[ev.OrderID] {
 			r.InvalidEvents++
 			continue
 		}
@@ -212,6 +219,10 @@ func checkEvents(ctx context.Context, brokers []string, topic string, b orderBat
 			}
 			continue
 		}
+		if ev.Seq != lastSeq[ev.CustomerID]+1 {
+			r.OutOfOrderEvents++
+		}
+		lastSeq[ev.CustomerID] = ev.Seq
 		orderOf[id] = ev.OrderID
 		if idsOf[ev.OrderID] == nil {
 			idsOf[ev.OrderID] = make(map[string]int)
