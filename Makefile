@@ -6,7 +6,7 @@ export DATABASE_URL
 GO ?= go
 TEST_FLAGS ?= -race -count=1 -timeout 20m
 
-.PHONY: demo test test-crashpoints test-containers bench lint vet fmt-check
+.PHONY: demo test test-crashpoints test-soak test-containers bench lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -20,6 +20,18 @@ test:
 ## produce, after the relay's produce, a zombie mid-handler) repeated, with -race
 test-crashpoints:
 	$(GO) test -race -count=5 -timeout 20m -run 'Crash|Zombie' ./integration_test/
+
+## test-soak: the chaos soak (docs/RELIABILITY.md): orderworker processes killed, stopped and
+## restarted while broker and database faults are injected, then the whole history checked.
+## ONCELY_SOAK_DURATION sets the length of the chaos (default 60s), ONCELY_SOAK_SEED replays a
+## run's schedule, ONCELY_SOAK_LOGS keeps the processes' logs. Without -race: the workers are
+## separate processes, and the test process hosts the brokers, which -race would slow down.
+ONCELY_SOAK_DURATION ?= 60s
+ONCELY_SOAK_SEED ?=
+SOAK_TIMEOUT ?= 30m
+test-soak:
+	ONCELY_SOAK=1 ONCELY_SOAK_DURATION=$(ONCELY_SOAK_DURATION) ONCELY_SOAK_SEED=$(ONCELY_SOAK_SEED) \
+		$(GO) test -count=1 -v -timeout $(SOAK_TIMEOUT) -run '^TestSoak$$' ./integration_test/
 
 ## test-containers: the integration suite with DATABASE_URL unset, every Postgres
 ## started by testcontainers-go through podman (needs root: installs podman, runc
