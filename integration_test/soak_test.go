@@ -290,7 +290,8 @@ type soakProc struct {
 	done     chan struct{} // closed once it exited
 	logFrom  int64         // where its output starts in the slot's log
 	expected atomic.Bool   // the driver signalled it
-	killed   atomic.Bool   // the driver sent it SIGKILL (perhaps while it drained after SIGTERM)
+	draining atomic.Bool   // the driver sent it SIGTERM (a second one would kill it)
+	killed   atomic.Bool   // the driver sent it SIGKILL (perhaps while it drained)
 }
 
 // current returns w's process if it is running.
@@ -336,12 +337,17 @@ func (s *soak) start(w *soakWorker) *soakProc {
 
 // judgeExit sorts out a worker exit the driver did not ask for, or a
 // non-zero exit status after SIGTERM. A worker that fails while starting up
-// (its migrations meet a database fault) is restarted like any other, as
-// an orchestrator would, and counted; one that fails after its consumer
-// started is a violation.
+// (its migrations meet a database fault, or SIGTERM comes before its
+// handler is installed) is restarted like any other, as an orchestrator
+// would, and counted; one that fails after its consumer started is a
+// violation.
 func (s *soak) judgeExit(w *soakWorker, p *soakProc, what string) {
 	out, _ := os.ReadFile(w.log.Name())
 	out = out[min(p.logFrom, int64(len(out))):]
+	// Up to its successor's output, which the supervisor may have started.
+	if i := bytes.Index(out, []byte("\n--- soak: "+w.name+" start ")); i >= 0 {
+		out = out[:i+1]
+	}
 	if !bytes.Contains(out, []byte(`msg="oncely consumer started"`)) {
 		s.mu.Lock()
 		s.startFailures++
@@ -380,7 +386,12 @@ func (w *soakWorker) signal(sig os.Signal) *soakProc {
 		return nil
 	}
 	p.expected.Store(true)
-	p.killed.Store(p.killed.Load() || sig == syscall.SIGKILL)
+	switch sig {
+	case syscall.SIGTERM:
+		p.draining.Store(true)
+	case syscall.SIGKILL:
+		p.killed.Store(true)
+	}
 	_, _ = fmt.Fprintf(w.log, "--- soak: %s: %s\n", w.name, sig)
 	_ = p.cmd.Process.Signal(sig)
 	return p
@@ -413,8 +424,8 @@ func (s *soak) stop(w *soakWorker, when string) {
 		s.mu.Lock()
 		s.longestStop = max(s.longestStop, took)
 		s.mu.Unlock()
-		if code := p.cmd.ProcessState.ExitCode(); code != 0 && !p.killed.Load() {
-			s.judgeExit(w, p, fmt.Sprintf("exited %d %s, %s after SIGTERM", code, when, took.Round(time.Millisecond)))
+		if p.cmd.ProcessState.ExitCode() != 0 && !p.killed.Load() {
+			s.judgeExit(w, p, fmt.Sprintf("ended with %q %s, %s after SIGTERM", p.cmd.ProcessState, when, took.Round(time.Millisecond)))
 		}
 	case <-t.C:
 		_ = p.cmd.Process.Signal(syscall.SIGQUIT) // a goroutine dump in its log
@@ -454,7 +465,9 @@ func (s *soak) processChaos(ctx context.Context) {
 			}
 			continue
 		}
-		if w.current() != nil {
+		// One SIGTERM per process, as an orchestrator sends: the worker
+		// takes a second one as "stop now" and dies of it.
+		if p := w.current(); p != nil && !p.draining.Load() {
 			s.count(&s.stops)
 			stops.Go(func() { s.stop(w, "during the chaos") })
 		}
@@ -685,7 +698,7 @@ func (s *soak) report(rep *soakReport) {
 	fmt.Fprintf(&b, "  workers killed (SIGKILL)    %d\n", s.kills)
 	fmt.Fprintf(&b, "  workers stopped (SIGTERM)   %d (+ %d at the end; the longest stop took %s)\n",
 		s.stops, len(s.workers), s.longestStop.Round(time.Millisecond))
-	fmt.Fprintf(&b, "  workers failed at start-up  %d (their migrations met a database fault; restarted)\n", s.startFailures)
+	fmt.Fprintf(&b, "  workers failed starting up  %d (a database fault met their migrations, or SIGTERM came first; restarted)\n", s.startFailures)
 	for _, k := range soakFaultKinds {
 		switch k {
 		case faultTerminated:
