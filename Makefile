@@ -7,7 +7,7 @@ GO ?= go
 TEST_FLAGS ?= -race -count=1 -timeout 20m
 FUZZTIME ?= 30s
 
-.PHONY: demo test test-modes test-crashpoints test-containers fuzz bench bench-outbox lint vet fmt-check
+.PHONY: demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-outbox lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -30,6 +30,18 @@ test-crashpoints:
 	$(GO) test -race -count=5 -timeout 20m -run 'Crash|Zombie' ./integration_test/
 	ONCELY_CONSUMER_MODE=batch $(GO) test -race -count=2 -timeout 20m -run 'Crash|Zombie' ./integration_test/
 	ONCELY_CONSUMER_MODE=perkey $(GO) test -race -count=2 -timeout 20m -run 'Crash|Zombie' ./integration_test/
+
+## test-soak: the chaos soak (docs/RELIABILITY.md): orderworker processes killed, stopped and
+## restarted while broker and database faults are injected, then the whole history checked.
+## ONCELY_SOAK_DURATION sets the length of the chaos (default 60s), ONCELY_SOAK_SEED replays a
+## run's schedule, ONCELY_SOAK_LOGS keeps the processes' logs. Without -race: the workers are
+## separate processes, and the test process hosts the brokers, which -race would slow down.
+ONCELY_SOAK_DURATION ?= 60s
+ONCELY_SOAK_SEED ?=
+SOAK_TIMEOUT ?= 30m
+test-soak:
+	ONCELY_SOAK=1 ONCELY_SOAK_DURATION=$(ONCELY_SOAK_DURATION) ONCELY_SOAK_SEED=$(ONCELY_SOAK_SEED) \
+		$(GO) test -count=1 -v -timeout $(SOAK_TIMEOUT) -run '^TestSoak$$' ./integration_test/
 
 ## test-containers: the integration suite with DATABASE_URL unset, every Postgres
 ## started by testcontainers-go through podman (needs root: installs podman, runc

@@ -8,6 +8,8 @@
 //	orderworker [run] [flags]   consume the orders topic (the worker)
 //	orderworker demo [flags]    crash a worker mid-stream and prove no order counted twice
 //	orderworker produce [flags] publish random orders, some of them twice
+//	orderworker check [flags]   check the history: each order counted, announced
+//	                            and each poison record dead-lettered exactly once
 //
 // The demo needs nothing but a Postgres (DATABASE_URL, default the local
 // server); Kafka runs in-process:
@@ -52,6 +54,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"os"
 	"os/signal"
 	"regexp"
@@ -94,11 +97,13 @@ func run(args []string, getenv func(string) string, stdout, stderr io.Writer) in
 		return demoCmd(args, getenv, stdout, stderr)
 	case "produce":
 		return produceCmd(args, getenv, stdout, stderr)
+	case "check":
+		return checkCmd(args, getenv, stdout, stderr)
 	case "help":
-		printf(stdout, "usage: orderworker [run|demo|produce] [flags]; `orderworker CMD -h` lists a command's flags\n")
+		printf(stdout, "usage: orderworker [run|demo|produce|check] [flags]; `orderworker CMD -h` lists a command's flags\n")
 		return exitOK
 	default:
-		printf(stderr, "orderworker: unknown command %q (want run, demo or produce)\n", cmd)
+		printf(stderr, "orderworker: unknown command %q (want run, demo, produce or check)\n", cmd)
 		return exitUsage
 	}
 }
@@ -292,8 +297,6 @@ func parseBrokers(s string) ([]string, error) {
 	return out, nil
 }
 
-// flagSet reports whether the command line set the flag name.
-
 // parseSecrets splits a comma-separated list of Standard Webhooks secrets and
 // checks that each is whsec_ followed by base64; an empty list is allowed
 // (the webhook route then answers 503). Errors never quote a secret.
@@ -334,18 +337,17 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); required")
 	topic := fs.String("topic", "orders", "topic to produce to")
 	count := fs.Int("count", 1000, "orders to produce")
-	dupRate := fs.Float64("dup-rate", 0.2, "fraction of orders produced a second time with the same message-id")
+	dupRate := fs.Float64("dup-rate", 0.2, "fraction of records produced a second time with the same message-id")
+	poisonRate := fs.Float64("poison-rate", 0, "poison records (not valid orders: they go to the dead-letter topic) to mix in, as a fraction of --count")
 	customers := fs.Int("customers", 50, "number of distinct customers")
 	rate := fs.Int("rate", 0, "records per second; 0: as fast as possible")
 	var kafkaSecurity kafkaflags.Flags
 	kafkaSecurity.Register(fs, getenv)
+	seed := fs.Uint64("seed", 0, "seed of the random customers, amounts, poison records and duplicates (ids stay random); 0: a random seed")
 	if err := parse(fs, args); err != nil {
 		return usageExit(stderr, err)
 	}
-	bs, err := parseBrokers(*brokers)
-	if err == nil && len(bs) == 0 {
-		err = errors.New("required (a worker started without brokers logs its in-process address)")
-	}
+	bs, err := requiredBrokers(*brokers)
 	if err != nil {
 		return usageExit(stderr, invalidFlag("--brokers (KAFKA_BROKERS)", err))
 	}
@@ -353,7 +355,7 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	if err != nil {
 		return usageExit(stderr, err)
 	}
-	spec := orderSpec{Count: *count, Customers: *customers, DupRate: *dupRate}
+	spec := orderSpec{Count: *count, Customers: *customers, DupRate: *dupRate, PoisonRate: *poisonRate}
 	if name, err := spec.validate(); err != nil {
 		return usageExit(stderr, invalidFlag(name, err))
 	}
@@ -369,12 +371,25 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 		return exitError
 	}
 	defer cl.Close()
-	batch := generate(spec, newRand())
+	rng := newRand()
+	if *seed != 0 {
+		rng = rand.New(rand.NewPCG(*seed, 0))
+	}
+	batch := generate(spec, rng)
 	if err := produce(ctx, cl, *topic, batch.Deliveries, *rate); err != nil {
 		printf(stderr, "orderworker: %v\n", err)
 		return exitError
 	}
-	printf(stdout, "produced %d records to %s: %d orders (total %d cents) and %d duplicate deliveries\n",
-		len(batch.Deliveries), *topic, len(batch.Orders), batch.totalCents(), batch.Duplicates)
+	printf(stdout, "produced %d records to %s: %d orders (total %d cents), %d poison records and %d duplicate deliveries\n",
+		len(batch.Deliveries), *topic, len(batch.Orders), batch.totalCents(), len(batch.Poison), batch.Duplicates)
 	return exitOK
+}
+
+// requiredBrokers is parseBrokers for a command that needs brokers.
+func requiredBrokers(s string) ([]string, error) {
+	bs, err := parseBrokers(s)
+	if err == nil && len(bs) == 0 {
+		err = errors.New("required (a worker started without brokers logs its in-process address)")
+	}
+	return bs, err
 }

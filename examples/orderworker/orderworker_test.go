@@ -716,6 +716,11 @@ func TestHandler(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The balances table as versions before the events' seq created it:
+	// migrate adds the column.
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE customer_balances (customer_id text PRIMARY KEY, balance_cents bigint NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
 	if err := st.migrate(ctx, db.Pool, nil); err != nil {
 		t.Fatal(err)
 	}
@@ -783,9 +788,10 @@ func TestHandler(t *testing.T) {
 	if len(events) != 2 {
 		t.Fatalf("%d events in the outbox; want 2 (failed records roll back theirs): %+v", len(events), events)
 	}
+	// Keyed by customer, numbered in the customer's commit order.
 	for i, want := range []struct{ key, value string }{
-		{"o1", `{"order_id":"o1","customer_id":"c1","amount_cents":250}`},
-		{"o2", `{"order_id":"o2","customer_id":"c1","amount_cents":50}`},
+		{"c1", `{"order_id":"o1","customer_id":"c1","amount_cents":250,"seq":1}`},
+		{"c1", `{"order_id":"o2","customer_id":"c1","amount_cents":50,"seq":2}`},
 	} {
 		ev := events[i]
 		if ev.topic != "order-events" || ev.key != want.key || ev.value != want.value ||

@@ -19,9 +19,10 @@ import (
 
 // orderSpec describes a batch of random orders.
 type orderSpec struct {
-	Count     int     // distinct orders
-	Customers int     // customers the orders are spread over
-	DupRate   float64 // fraction of orders delivered a second time
+	Count      int     // distinct orders
+	Customers  int     // customers the orders are spread over
+	DupRate    float64 // fraction of records delivered a second time
+	PoisonRate float64 // poison records mixed in, as a fraction of Count
 }
 
 // validate names the produce command's flag of the first invalid field.
@@ -33,6 +34,8 @@ func (s orderSpec) validate() (flagName string, err error) {
 		return "--customers", fmt.Errorf("must be at least 1, got %d", s.Customers)
 	case !(s.DupRate >= 0 && s.DupRate <= 1):
 		return "--dup-rate", fmt.Errorf("must be between 0 and 1, got %v", s.DupRate)
+	case !(s.PoisonRate >= 0 && s.PoisonRate <= 1):
+		return "--poison-rate", fmt.Errorf("must be between 0 and 1, got %v", s.PoisonRate)
 	}
 	return "", nil
 }
@@ -40,14 +43,17 @@ func (s orderSpec) validate() (flagName string, err error) {
 // delivery is one record to produce.
 type delivery struct {
 	Order     Order
+	Poison    []byte // the value of a record that is not a valid order; nil for an order
 	MessageID string // the record's message-id header: the inbox's dedup key
-	Duplicate bool   // a second delivery of an order produced before
+	Duplicate bool   // a second delivery of a record produced before
 }
 
-// orderBatch is what a producer sent: each order once, and the deliveries
-// (duplicates included) in the order they went to Kafka.
+// orderBatch is what a producer sent: each order once, the message ids of
+// the poison records (records that are not valid orders), and the
+// deliveries (duplicates included) in the order they went to Kafka.
 type orderBatch struct {
 	Orders     []Order
+	Poison     []string
 	Deliveries []delivery
 	Duplicates int
 }
@@ -72,11 +78,25 @@ func (b orderBatch) totalCents() int64 {
 
 func newRand() *rand.Rand { return rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64())) }
 
-// generate makes spec.Count random orders, each with its own message id, and
-// delivers round(DupRate*Count) of them a second time, with the same message
-// id, somewhat later in the stream: the duplicate a producer sends when it
-// retries after a timeout, or when an outbox relay crashes after publishing
-// and before marking the row sent.
+// poisonValues are the kinds of poison record generate mixes in; %d is the
+// record's number. The first three fail to decode (class undecodable), the
+// others fail validation (class permanent).
+var poisonValues = []string{
+	`not json %d`,
+	`{"order_id": %d}`,
+	`{"order_id":"poison-%d","customer_id":"cust-x","amount_cents":100,"coupon":"FREE"}`,
+	`{"customer_id":"cust-x","amount_cents":%d}`,
+	`{"order_id":"poison-%d","customer_id":"cust-x","amount_cents":0}`,
+	`{"order_id":"poison-%d","customer_id":"cust-x","amount_cents":-500}`,
+}
+
+// generate makes spec.Count random orders and round(PoisonRate*Count)
+// poison records, each with its own message id, spread over the stream,
+// and delivers round(DupRate*(orders+poison)) of them a second time, with
+// the same message id, somewhat later in the stream: the duplicate a
+// producer sends when it retries after a timeout, or when an outbox relay
+// crashes after publishing and before marking the row sent. Message ids
+// and order ids are random; everything else follows rng.
 func generate(spec orderSpec, rng *rand.Rand) orderBatch {
 	// A random prefix keeps order ids unique across produce runs.
 	run := strings.ToLower(cryptorand.Text()[:6])
@@ -95,13 +115,23 @@ func generate(spec orderSpec, rng *rand.Rand) orderBatch {
 		b.Orders[i] = o
 		stream = append(stream, keyed{float64(i), delivery{Order: o, MessageID: cryptorand.Text()}})
 	}
-	b.Duplicates = int(math.Round(spec.DupRate * float64(spec.Count)))
-	for _, i := range rng.Perm(spec.Count)[:b.Duplicates] {
+	for i := range int(math.Round(spec.PoisonRate * float64(spec.Count))) {
+		// Keyed like an order, so that it lands amid a customer's orders.
+		d := delivery{
+			Order:     Order{CustomerID: fmt.Sprintf("cust-%03d", rng.IntN(spec.Customers))},
+			Poison:    fmt.Appendf(nil, poisonValues[i%len(poisonValues)], i),
+			MessageID: cryptorand.Text(),
+		}
+		b.Poison = append(b.Poison, d.MessageID)
+		stream = append(stream, keyed{rng.Float64() * float64(spec.Count), d})
+	}
+	b.Duplicates = int(math.Round(spec.DupRate * float64(len(stream))))
+	for _, i := range rng.Perm(len(stream))[:b.Duplicates] {
 		d := stream[i].d
 		d.Duplicate = true
 		// Up to ~300 records later: usually after the original was
 		// processed, sometimes while it is still in flight.
-		stream = append(stream, keyed{float64(i) + 0.5 + float64(rng.IntN(300)), d})
+		stream = append(stream, keyed{stream[i].at + 0.5 + float64(rng.IntN(300)), d})
 	}
 	slices.SortStableFunc(stream, func(a, b keyed) int { return cmp.Compare(a.at, b.at) })
 	for _, k := range stream {
@@ -115,7 +145,10 @@ func generate(spec orderSpec, rng *rand.Rand) orderBatch {
 // usually lands in the same partition as its original, though the inbox does
 // not depend on that: it dedups by message id across partitions.
 func (d delivery) record(topic string) *kgo.Record {
-	value, _ := json.Marshal(d.Order) // cannot fail: strings and an int
+	value := d.Poison
+	if value == nil {
+		value, _ = json.Marshal(d.Order) // cannot fail: strings and an int
+	}
 	return &kgo.Record{
 		Topic:   topic,
 		Key:     []byte(d.Order.CustomerID),

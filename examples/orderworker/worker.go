@@ -48,12 +48,15 @@ func (o Order) validate() error {
 
 // OrderAccepted is the value of the event the handler publishes, through
 // oncely's outbox, for every order it applies: a record on the events topic
-// (default order-events) with the order id as its key, a type header of
-// "order.accepted" and the outbox's message-id header.
+// (default order-events) with the customer id as its key, a type header of
+// "order.accepted" and the outbox's message-id header. Seq numbers the
+// customer's accepted orders from 1 in the order their transactions
+// committed; because the outbox keeps one key's events in commit order, a
+// reader of the topic sees each customer's Seq go 1, 2, 3... (republished
+// events, recognisable by their message id, aside).
 type OrderAccepted struct {
-	OrderID     string `json:"order_id"`
-	CustomerID  string `json:"customer_id"`
-	AmountCents int64  `json:"amount_cents"`
+	Order
+	Seq int64 `json:"seq"`
 }
 
 // Headers of the events the handler publishes.
@@ -125,16 +128,23 @@ func newStore(schema, eventsTopic string) (*store, error) {
 				created_at   timestamptz NOT NULL DEFAULT now())`,
 			`CREATE TABLE IF NOT EXISTS ` + balances + ` (
 				customer_id   text   PRIMARY KEY,
-				balance_cents bigint NOT NULL)`,
+				balance_cents bigint NOT NULL,
+				order_count   bigint NOT NULL DEFAULT 0)`,
+			// Schemas created before events carried a sequence.
+			`ALTER TABLE ` + balances + ` ADD COLUMN IF NOT EXISTS order_count bigint NOT NULL DEFAULT 0`,
 		},
 		insertOrder: `INSERT INTO ` + orders + `
 			(order_id, customer_id, amount_cents, message_id, topic, partition, "offset")
 			VALUES ($1, $2, $3, $4, $5, $6, $7)`,
 		// Adding to a balance is the textbook effect that must not run
-		// twice: a redelivered order would credit the customer again.
-		addToBalance: `INSERT INTO ` + balances + ` AS b (customer_id, balance_cents)
-			VALUES ($1, $2)
-			ON CONFLICT (customer_id) DO UPDATE SET balance_cents = b.balance_cents + EXCLUDED.balance_cents`,
+		// twice: a redelivered order would credit the customer again. The
+		// row lock it takes also serializes one customer's transactions,
+		// so order_count numbers them in commit order.
+		addToBalance: `INSERT INTO ` + balances + ` AS b (customer_id, balance_cents, order_count)
+			VALUES ($1, $2, 1)
+			ON CONFLICT (customer_id) DO UPDATE SET balance_cents = b.balance_cents + EXCLUDED.balance_cents,
+				order_count = b.order_count + 1
+			RETURNING order_count`,
 		// The relay's own index on pending rows answers this.
 		pending: `SELECT EXISTS (SELECT 1 FROM ` + pgx.Identifier{schema, "outbox"}.Sanitize() + ` WHERE sent_at IS NULL)`,
 	}, nil
@@ -197,10 +207,11 @@ func (s *store) apply(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o O
 		o.OrderID, o.CustomerID, o.AmountCents, msg.ID, msg.Topic, msg.Partition, msg.Offset); err != nil {
 		return fmt.Errorf("orderworker: insert order %s: %w", o.OrderID, err)
 	}
-	if _, err := tx.Exec(ctx, s.addToBalance, o.CustomerID, o.AmountCents); err != nil {
+	var seq int64
+	if err := tx.QueryRow(ctx, s.addToBalance, o.CustomerID, o.AmountCents).Scan(&seq); err != nil {
 		return fmt.Errorf("orderworker: add to balance of %s: %w", o.CustomerID, err)
 	}
-	value, err := json.Marshal(OrderAccepted(o))
+	value, err := json.Marshal(OrderAccepted{Order: o, Seq: seq})
 	if err != nil {
 		return fmt.Errorf("orderworker: encode order.accepted for %s: %w", o.OrderID, err)
 	}
@@ -208,7 +219,7 @@ func (s *store) apply(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o O
 	// context with the event, and the relay's send span continues it.
 	if _, err := s.events.Enqueue(ctx, tx, outbox.Message{
 		Topic: s.eventsTopic,
-		Key:   []byte(o.OrderID), // one order's events stay in order
+		Key:   []byte(o.CustomerID), // one customer's events stay in commit order
 		Value: value,
 		Headers: []outbox.Header{
 			{Key: eventTypeHeader, Value: []byte(orderAcceptedType)},

@@ -1,0 +1,159 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/dlq"
+)
+
+// checkOutput is what the tests read of `orderworker check --json`.
+type checkOutput struct {
+	Delivered, DuplicatesSent, UniqueOrders, PoisonRecords int
+	Effects                                                int64
+	EventIDs, DeadLettered                                 int
+	Violations                                             []string
+}
+
+// runCheckCmd runs `orderworker check` in-process against e and returns its
+// exit status, its JSON report (when it printed one) and its stderr.
+func (e *env) runCheckCmd(extra ...string) (int, checkOutput, string) {
+	e.t.Helper()
+	args := append([]string{"check", "--json", "--brokers", strings.Join(e.kafka.Brokers, ","),
+		"--topic", e.topic, "--events-topic", e.events, "--group", e.group, "--schema", e.db.Schema}, extra...)
+	getenv := func(k string) string {
+		if k == "DATABASE_URL" {
+			return e.db.URL
+		}
+		return ""
+	}
+	var stdout, stderr bytes.Buffer
+	code := run(args, getenv, &stdout, &stderr)
+	var out checkOutput
+	if stdout.Len() > 0 {
+		if err := json.Unmarshal(stdout.Bytes(), &out); err != nil {
+			e.t.Fatalf("check --json printed %q: %v", stdout.String(), err)
+		}
+	}
+	return code, out, stderr.String()
+}
+
+// TestCheckCommand runs a worker over orders with duplicate deliveries and
+// poison records mixed in, then `orderworker check`: it must pass with the
+// figures of what was produced, read back from the orders topic, and then
+// fail once an order has a second effect.
+func TestCheckCommand(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	if _, err := e.adm.CreateTopic(ctx, 1, 1, nil, dlq.DefaultTopic(e.topic)); err != nil {
+		t.Fatal(err)
+	}
+	batch := generate(orderSpec{Count: 200, Customers: 5, DupRate: 0.2, PoisonRate: 0.1}, newRand())
+	if len(batch.Poison) != 20 || batch.Duplicates != 44 || len(batch.Deliveries) != 264 {
+		t.Fatalf("generate: %d poison records, %d duplicates, %d deliveries; want 20, 44, 264",
+			len(batch.Poison), batch.Duplicates, len(batch.Deliveries))
+	}
+	if err := produce(ctx, e.cl, e.topic, batch.Deliveries, 0); err != nil {
+		t.Fatal(err)
+	}
+	w := e.start("worker-1")
+
+	code, out, stderr := e.runCheckCmd("--wait", "60s")
+	if code != exitOK || len(out.Violations) > 0 {
+		t.Fatalf("check: exit %d, %+v; stderr: %s", code, out, stderr)
+	}
+	if out.Delivered != 264 || out.DuplicatesSent != 44 || out.UniqueOrders != 200 || out.PoisonRecords != 20 ||
+		out.Effects != 200 || out.EventIDs != 200 || out.DeadLettered != 20 {
+		t.Errorf("check: %+v; want 264 records, 44 duplicates, 200 orders with effects and events, 20 poison records dead-lettered", out)
+	}
+	stopAll(t, w)
+
+	// A second effect of one order: the check must fail and say so.
+	orders := pgx.Identifier{e.db.Schema, "orders"}.Sanitize()
+	if _, err := e.db.Pool.Exec(ctx, `INSERT INTO `+orders+` (order_id, customer_id, amount_cents, message_id)
+		SELECT order_id, customer_id, amount_cents, message_id FROM `+orders+` LIMIT 1`); err != nil {
+		t.Fatal(err)
+	}
+	code, out, stderr = e.runCheckCmd()
+	if code != exitError || !strings.Contains(stderr, "duplicate effects: 1, must be 0") ||
+		!strings.Contains(strings.Join(out.Violations, "\n"), "effects: 201, must be 200") {
+		t.Errorf("check after a second effect: exit %d, violations %q, stderr %q; want exit 1 naming the duplicate effect",
+			code, out.Violations, stderr)
+	}
+}
+
+// TestCheckFindsViolations plants in Kafka what the soak must catch and the
+// check command reports: a customer's events out of order, a valid order in
+// the dead-letter topic, a poison record missing from it.
+func TestCheckFindsViolations(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	batch := generate(orderSpec{Count: 3, Customers: 1, PoisonRate: 0.7}, newRand()) // 2 poison records
+	if len(batch.Poison) != 2 {
+		t.Fatalf("%d poison records; want 2", len(batch.Poison))
+	}
+
+	// The third order's event, then the first two's: seq 3, 1, 2.
+	var events []*kgo.Record
+	for i, o := range []int{2, 0, 1} {
+		value, _ := json.Marshal(OrderAccepted{Order: batch.Orders[o], Seq: int64(o + 1)})
+		events = append(events, &kgo.Record{Topic: e.events, Key: []byte(batch.Orders[o].CustomerID), Value: value,
+			Headers: []kgo.RecordHeader{{Key: eventTypeHeader, Value: []byte(orderAcceptedType)},
+				{Key: "message-id", Value: fmt.Appendf(nil, "event-%d", i)}}})
+	}
+	if err := e.cl.ProduceSync(ctx, events...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	var r report
+	if err := checkEvents(ctx, e.kafka.Brokers, e.events, batch, &r); err != nil {
+		t.Fatal(err)
+	}
+	if r.OutOfOrderEvents != 2 || r.EventIDs != 3 || r.DuplicateEvents != 0 || r.MissingEvents != 0 || r.InvalidEvents != 0 {
+		t.Errorf("events seq 3, 1, 2: %+v; want 2 out of order and nothing else wrong", r)
+	}
+
+	// The dead-letter topic holds the first poison record and an order:
+	// one poison record missing, one order that should not be there.
+	dlqTopic := e.kafka.CreateTopic(t, "orders_dlq", 1)
+	var dead []*kgo.Record
+	for _, d := range batch.Deliveries {
+		if d.Duplicate || (d.Poison != nil && d.MessageID != batch.Poison[0]) || (d.Poison == nil && d.Order != batch.Orders[0]) {
+			continue
+		}
+		src := d.record(e.topic)
+		info := &dlq.Info{Topic: e.topic, Group: e.group, MessageID: d.MessageID, Attempts: 1,
+			FirstFailure: time.Now(), LastFailure: time.Now(), Class: dlq.ClassPermanent, Error: "planted"}
+		dead = append(dead, dlq.NewRecord(dlqTopic, src, info, dlq.HeaderPolicy{}))
+	}
+	if err := e.cl.ProduceSync(ctx, dead...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	r = report{}
+	if err := checkDeadLetters(ctx, e.kafka.Brokers, dlqTopic, e.group, batch, &r); err != nil {
+		t.Fatal(err)
+	}
+	if r.PoisonRecords != 2 || r.DeadLettered != 2 || r.PoisonMissing != 1 || r.OrdersDeadLettered != 1 || r.InvalidDeadLetters != 0 {
+		t.Errorf("dead letters: %+v; want 2 dead-lettered ids, 1 poison record missing, 1 order", r)
+	}
+	var found []string
+	for _, v := range r.violations() {
+		if strings.Contains(v, dlqTopic) {
+			found = append(found, v)
+		}
+	}
+	if len(found) != 2 {
+		t.Errorf("violations %q; want the poison record missing from and the order in %s", r.violations(), dlqTopic)
+	}
+}
