@@ -146,6 +146,7 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	fs.StringVar(&cfg.Group, "group", envOr(getenv, "CONSUMER_GROUP", "orderworker"), "consumer group, also the dedup scope (env CONSUMER_GROUP)")
 	fs.StringVar(&cfg.HTTPAddr, "http-addr", envOr(getenv, "HTTP_ADDR", "127.0.0.1:8080"), "address of GET /healthz, GET /metrics, POST /orders and POST /webhooks/orders; port 0 picks one (env HTTP_ADDR)")
 	session := fs.String("session-timeout", envOr(getenv, "SESSION_TIMEOUT", "10s"), "group session timeout, a Go duration (env SESSION_TIMEOUT)")
+	rebalance := fs.String("rebalance-timeout", envOr(getenv, "REBALANCE_TIMEOUT", "30s"), "how long a rebalance waits for the group's members to rejoin, a Go duration (env REBALANCE_TIMEOUT)")
 	fs.StringVar(&cfg.InstanceID, "instance-id", getenv("INSTANCE_ID"), "static group membership id, unique per live instance (env INSTANCE_ID)")
 	fs.StringVar(&cfg.Schema, "schema", envOr(getenv, "ONCELY_SCHEMA", "orderworker"), "schema of oncely's and the example's tables (env ONCELY_SCHEMA)")
 	fs.BoolVar(&cfg.TraceStdout, "trace-stdout", false, "write spans to stdout, one JSON object a line; OTLP export is set with the standard OTEL_EXPORTER_OTLP_* variables")
@@ -174,8 +175,11 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	if cfg.Brokers, err = parseBrokers(*brokers); err != nil {
 		return cfg, invalidFlag("--brokers (KAFKA_BROKERS)", err)
 	}
-	if cfg.SessionTimeout, err = time.ParseDuration(*session); err != nil || cfg.SessionTimeout <= 0 {
-		return cfg, invalidFlag("--session-timeout (SESSION_TIMEOUT)", fmt.Errorf("want a positive Go duration such as 10s, got %q", *session))
+	if cfg.SessionTimeout, err = positiveDuration("--session-timeout (SESSION_TIMEOUT)", *session); err != nil {
+		return cfg, err
+	}
+	if cfg.RebalanceTimeout, err = positiveDuration("--rebalance-timeout (REBALANCE_TIMEOUT)", *rebalance); err != nil {
+		return cfg, err
 	}
 	if _, err := pgxpool.ParseConfig(cfg.DatabaseURL); err != nil {
 		return cfg, invalidFlag("--database-url (DATABASE_URL)", err)
@@ -198,6 +202,16 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 		return cfg, invalidFlag("--http-addr (HTTP_ADDR)", errors.New("must not be empty"))
 	}
 	return cfg, nil
+}
+
+// positiveDuration parses the value of the flag name as a Go duration
+// above zero.
+func positiveDuration(name, s string) (time.Duration, error) {
+	d, err := time.ParseDuration(s)
+	if err != nil || d <= 0 {
+		return 0, invalidFlag(name, fmt.Errorf("want a positive Go duration such as 10s, got %q", s))
+	}
+	return d, nil
 }
 
 // errReported is a command-line error the flag package already printed.

@@ -869,6 +869,8 @@ func TestFlags(t *testing.T) {
 	}{
 		{args: []string{"run", "--session-timeout", "soon"}, want: "--session-timeout (SESSION_TIMEOUT)"},
 		{env: map[string]string{"SESSION_TIMEOUT": "-1s"}, want: "--session-timeout (SESSION_TIMEOUT)"},
+		{args: []string{"--rebalance-timeout", "0s"}, want: "--rebalance-timeout (REBALANCE_TIMEOUT)"},
+		{env: map[string]string{"REBALANCE_TIMEOUT": "later"}, want: "--rebalance-timeout (REBALANCE_TIMEOUT)"},
 		{args: []string{"--schema", "Orders; DROP"}, want: "--schema (ONCELY_SCHEMA)"},
 		{env: map[string]string{"ONCELY_SCHEMA": "pg_catalog"}, want: "--schema (ONCELY_SCHEMA)"},
 		{args: []string{"--brokers", "a:9092,,b:9092"}, want: "--brokers (KAFKA_BROKERS)"},

@@ -239,8 +239,11 @@ type workerConfig struct {
 	Group          string
 	HTTPAddr       string
 	SessionTimeout time.Duration
-	InstanceID     string
-	Schema         string
+	// RebalanceTimeout bounds how long a rebalance waits for members to
+	// rejoin (consumer.Config.RebalanceTimeout).
+	RebalanceTimeout time.Duration
+	InstanceID       string
+	Schema           string
 
 	// Telemetry. The OTLP exporters read the standard OTEL_EXPORTER_OTLP_*
 	// variables themselves; these say whether to start them.
@@ -340,18 +343,19 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 	}()
 
 	c, err := consumer.New(consumer.Config{
-		Brokers:         cfg.Brokers,
-		Topics:          []string{cfg.Topic},
-		Group:           cfg.Group,
-		Pool:            pool,
-		Handler:         st.handler(),
-		Schema:          cfg.Schema,
-		InstanceID:      cfg.InstanceID,
-		SessionTimeout:  cfg.SessionTimeout,
-		ShutdownTimeout: shutdownTimeout,
-		TracerProvider:  tel.tracerProvider,
-		MeterProvider:   tel.meterProvider,
-		Logger:          log,
+		Brokers:          cfg.Brokers,
+		Topics:           []string{cfg.Topic},
+		Group:            cfg.Group,
+		Pool:             pool,
+		Handler:          st.handler(),
+		Schema:           cfg.Schema,
+		InstanceID:       cfg.InstanceID,
+		SessionTimeout:   cfg.SessionTimeout,
+		RebalanceTimeout: cfg.RebalanceTimeout,
+		ShutdownTimeout:  shutdownTimeout,
+		TracerProvider:   tel.tracerProvider,
+		MeterProvider:    tel.meterProvider,
+		Logger:           log,
 	})
 	if err != nil {
 		return err
