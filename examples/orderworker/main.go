@@ -150,6 +150,7 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	batchSize := fs.String("batch-size", envOr(getenv, "BATCH_SIZE", "100"), "records of a partition per transaction, one inbox claim for all (env BATCH_SIZE); 1: a transaction per record; with --key-parallelism above 1 the default is 1")
 	keyPar := fs.String("key-parallelism", envOr(getenv, "KEY_PARALLELISM", "1"), "customers of one partition processed at once, each customer's orders in order (env KEY_PARALLELISM); for slow handlers, instead of batches")
 	session := fs.String("session-timeout", envOr(getenv, "SESSION_TIMEOUT", "10s"), "group session timeout, a Go duration (env SESSION_TIMEOUT)")
+	rebalance := fs.String("rebalance-timeout", envOr(getenv, "REBALANCE_TIMEOUT", "30s"), "how long a rebalance waits for the group's members to rejoin, a Go duration (env REBALANCE_TIMEOUT)")
 	fs.StringVar(&cfg.InstanceID, "instance-id", getenv("INSTANCE_ID"), "static group membership id, unique per live instance (env INSTANCE_ID)")
 	fs.StringVar(&cfg.Schema, "schema", envOr(getenv, "ONCELY_SCHEMA", "orderworker"), "schema of oncely's and the example's tables (env ONCELY_SCHEMA)")
 	fs.BoolVar(&cfg.TraceStdout, "trace-stdout", false, "write spans to stdout, one JSON object a line; OTLP export is set with the standard OTEL_EXPORTER_OTLP_* variables")
@@ -195,8 +196,11 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	if cfg.BatchSize > 1 && cfg.KeyParallelism > 1 {
 		return cfg, invalidFlag("--batch-size (BATCH_SIZE)", fmt.Errorf("%d cannot be combined with --key-parallelism %d: batches suit cheap handlers, key parallelism slow ones", cfg.BatchSize, cfg.KeyParallelism))
 	}
-	if cfg.SessionTimeout, err = time.ParseDuration(*session); err != nil || cfg.SessionTimeout <= 0 {
-		return cfg, invalidFlag("--session-timeout (SESSION_TIMEOUT)", fmt.Errorf("want a positive Go duration such as 10s, got %q", *session))
+	if cfg.SessionTimeout, err = positiveDuration("--session-timeout (SESSION_TIMEOUT)", *session); err != nil {
+		return cfg, err
+	}
+	if cfg.RebalanceTimeout, err = positiveDuration("--rebalance-timeout (REBALANCE_TIMEOUT)", *rebalance); err != nil {
+		return cfg, err
 	}
 	if _, err := pgxpool.ParseConfig(cfg.DatabaseURL); err != nil {
 		return cfg, invalidFlag("--database-url (DATABASE_URL)", err)
@@ -219,6 +223,16 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 		return cfg, invalidFlag("--http-addr (HTTP_ADDR)", errors.New("must not be empty"))
 	}
 	return cfg, nil
+}
+
+// positiveDuration parses the value of the flag name as a Go duration
+// above zero.
+func positiveDuration(name, s string) (time.Duration, error) {
+	d, err := time.ParseDuration(s)
+	if err != nil || d <= 0 {
+		return 0, invalidFlag(name, fmt.Errorf("want a positive Go duration such as 10s, got %q", s))
+	}
+	return d, nil
 }
 
 // errReported is a command-line error the flag package already printed.

@@ -919,6 +919,8 @@ func TestFlags(t *testing.T) {
 		{args: []string{"run", "--batch-size", "0"}, want: "--batch-size (BATCH_SIZE)"},
 		{env: map[string]string{"KEY_PARALLELISM": "many"}, want: "--key-parallelism (KEY_PARALLELISM)"},
 		{args: []string{"run", "--batch-size", "50", "--key-parallelism", "8"}, want: "cannot be combined with --key-parallelism 8"},
+		{args: []string{"--rebalance-timeout", "0s"}, want: "--rebalance-timeout (REBALANCE_TIMEOUT)"},
+		{env: map[string]string{"REBALANCE_TIMEOUT": "later"}, want: "--rebalance-timeout (REBALANCE_TIMEOUT)"},
 		{args: []string{"--schema", "Orders; DROP"}, want: "--schema (ONCELY_SCHEMA)"},
 		{env: map[string]string{"ONCELY_SCHEMA": "pg_catalog"}, want: "--schema (ONCELY_SCHEMA)"},
 		{args: []string{"--brokers", "a:9092,,b:9092"}, want: "--brokers (KAFKA_BROKERS)"},

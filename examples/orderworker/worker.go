@@ -241,10 +241,13 @@ type workerConfig struct {
 	Group          string
 	HTTPAddr       string
 	SessionTimeout time.Duration
-	InstanceID     string
-	Schema         string
-	BatchSize      int // records per transaction (consumer.Config.BatchSize)
-	KeyParallelism int // customers of a partition processed at once
+	// RebalanceTimeout bounds how long a rebalance waits for members to
+	// rejoin (consumer.Config.RebalanceTimeout).
+	RebalanceTimeout time.Duration
+	InstanceID       string
+	Schema           string
+	BatchSize        int // records per transaction (consumer.Config.BatchSize)
+	KeyParallelism   int // customers of a partition processed at once
 
 	// Telemetry. The OTLP exporters read the standard OTEL_EXPORTER_OTLP_*
 	// variables themselves; these say whether to start them.
@@ -353,21 +356,22 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 	}()
 
 	c, err := consumer.New(consumer.Config{
-		Brokers:         cfg.Brokers,
-		Topics:          []string{cfg.Topic},
-		Group:           cfg.Group,
-		Pool:            pool,
-		Handler:         st.handler(),
-		BatchSize:       cfg.BatchSize,
-		KeyParallelism:  cfg.KeyParallelism,
-		Schema:          cfg.Schema,
-		InstanceID:      cfg.InstanceID,
-		SessionTimeout:  cfg.SessionTimeout,
-		ShutdownTimeout: shutdownTimeout,
-		TracerProvider:  tel.tracerProvider,
-		MeterProvider:   tel.meterProvider,
-		Logger:          log,
-		ClientOpts:      cfg.KafkaOpts,
+		Brokers:          cfg.Brokers,
+		Topics:           []string{cfg.Topic},
+		Group:            cfg.Group,
+		Pool:             pool,
+		Handler:          st.handler(),
+		BatchSize:        cfg.BatchSize,
+		KeyParallelism:   cfg.KeyParallelism,
+		Schema:           cfg.Schema,
+		InstanceID:       cfg.InstanceID,
+		SessionTimeout:   cfg.SessionTimeout,
+		RebalanceTimeout: cfg.RebalanceTimeout,
+		ShutdownTimeout:  shutdownTimeout,
+		TracerProvider:   tel.tracerProvider,
+		MeterProvider:    tel.meterProvider,
+		Logger:           log,
+		ClientOpts:       cfg.KafkaOpts,
 	})
 	if err != nil {
 		return err
