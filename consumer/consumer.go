@@ -486,7 +486,9 @@ type worker struct {
 
 	mu         sync.Mutex
 	queue      []*kgo.Record
-	paused     bool
+	full       bool            // the buffer reached MaxBufferedRecords and has not drained to half
+	dbHold     bool            // the last transaction attempt could not reach the database
+	paused     bool            // fetching is paused: full or dbHold
 	mark       kgo.EpochOffset // next offset to commit
 	hasMark    bool
 	lastCommit int64
@@ -506,14 +508,43 @@ func (r *run) newWorker(key tp) *worker {
 func (w *worker) push(recs []*kgo.Record) {
 	w.mu.Lock()
 	w.queue = append(w.queue, recs...)
-	if !w.paused && len(w.queue) >= w.r.c.cfg.MaxBufferedRecords {
-		w.paused = true
-		w.r.cl.PauseFetchPartitions(map[string][]int32{w.tp.topic: {w.tp.partition}})
+	if len(w.queue) >= w.r.c.cfg.MaxBufferedRecords {
+		w.full = true
+		w.syncPause()
 	}
 	w.mu.Unlock()
 	select {
 	case w.wake <- struct{}{}:
 	default:
+	}
+}
+
+// syncPause pauses or resumes fetching the partition to match full and
+// dbHold. w.mu must be held.
+func (w *worker) syncPause() {
+	want := w.full || w.dbHold
+	if want == w.paused {
+		return
+	}
+	w.paused = want
+	parts := map[string][]int32{w.tp.topic: {w.tp.partition}}
+	if want {
+		w.r.cl.PauseFetchPartitions(parts)
+	} else {
+		w.r.cl.ResumeFetchPartitions(parts)
+	}
+}
+
+// databaseDown records whether the database answered the worker's last
+// transaction attempt: while it does not, the partition fetches nothing
+// more (the group membership stays; heartbeats go on).
+func (w *worker) databaseDown(down bool) {
+	w.r.c.dbDown.Store(down)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.dbHold != down {
+		w.dbHold = down
+		w.syncPause()
 	}
 }
 
@@ -673,7 +704,7 @@ func (w *worker) retry(rec *kgo.Record, prior *result) bool {
 		}
 		switch {
 		case res.err == nil:
-			c.dbDown.Store(false)
+			w.databaseDown(false)
 			if res.duplicate {
 				c.duplicates.Add(1)
 				c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
@@ -684,9 +715,9 @@ func (w *worker) retry(rec *kgo.Record, prior *result) bool {
 		case w.ctx.Err() != nil:
 			return false // abandoned: the transaction rolled back
 		case res.infra:
-			c.dbDown.Store(true)
+			w.databaseDown(true)
 		default:
-			c.dbDown.Store(false)
+			w.databaseDown(false)
 			f.fail(res)
 			if class, ok := dlq.PermanentClass(res.err); ok {
 				f.class = class
@@ -750,7 +781,7 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 			if err == nil || errors.Is(err, dedup.ErrNotClaimed) {
 				break
 			}
-			c.dbDown.Store(true)
+			w.databaseDown(true)
 			if !w.sleep(c.backoff.Delay(n)) {
 				return false
 			}
@@ -806,12 +837,12 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 		if w.ctx.Err() != nil {
 			return false
 		}
-		c.dbDown.Store(true)
+		w.databaseDown(true)
 		if !w.sleep(c.backoff.Delay(n)) {
 			return false
 		}
 	}
-	c.dbDown.Store(false)
+	w.databaseDown(false)
 	c.deadLettered.Add(1)
 	c.metrics.deadLettered.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka,
 		telemetry.MessagingConsumerGroup.String(c.cfg.Group), telemetry.MessagingDestination.String(rec.Topic),

@@ -29,7 +29,10 @@
 // be written, the partition waits and retries; other partitions keep
 // flowing. Database outages (begin, claim or commit failing, a dropped
 // connection) are retried without limit: the consumer waits for the
-// database rather than failing records.
+// database rather than failing records. Meanwhile the partition fetches
+// nothing more (its group membership and heartbeats go on, so no rebalance
+// follows) and Ready reports false; the first transaction that reaches the
+// database again resumes it.
 //
 // A record redriven from a dead-letter topic (it carries the
 // dlq.HeaderRedrive header and its original dedup id) is processed once more

@@ -23,9 +23,9 @@ func (w *worker) pop() (*kgo.Record, bool) {
 	rec := w.queue[0]
 	w.queue[0] = nil
 	w.queue = w.queue[1:]
-	if w.paused && len(w.queue) <= w.r.c.cfg.MaxBufferedRecords/2 {
-		w.paused = false
-		w.r.cl.ResumeFetchPartitions(map[string][]int32{w.tp.topic: {w.tp.partition}})
+	if w.full && len(w.queue) <= w.r.c.cfg.MaxBufferedRecords/2 {
+		w.full = false
+		w.syncPause()
 	}
 	return rec, true
 }
@@ -134,7 +134,7 @@ func (w *worker) runBatch(recs []*kgo.Record, ids []string) bool {
 		case w.ctx.Err() != nil:
 			return false // abandoned: the transaction rolled back
 		case infra:
-			c.dbDown.Store(true)
+			w.databaseDown(true)
 			delay := c.backoff.Delay(n)
 			c.cfg.Logger.Warn("oncely batch failed on the database; retrying", "topic", recs[0].Topic,
 				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "delay", delay, "err", err)
@@ -145,7 +145,7 @@ func (w *worker) runBatch(recs []*kgo.Record, ids []string) bool {
 		default:
 			// The batch handler (or the commit) failed as a whole: which
 			// record caused it is unknown, so each one runs alone.
-			c.dbDown.Store(false)
+			w.databaseDown(false)
 			c.cfg.Logger.Warn("oncely batch failed; processing its records one by one", "topic", recs[0].Topic,
 				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "err", err)
 			for _, rec := range recs {
@@ -155,7 +155,7 @@ func (w *worker) runBatch(recs []*kgo.Record, ids []string) bool {
 			}
 			return true
 		}
-		c.dbDown.Store(false)
+		w.databaseDown(false)
 		c.batches.Add(1)
 		for i, rec := range recs {
 			switch o := &outs[i]; {
