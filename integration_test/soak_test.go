@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/url"
@@ -696,7 +697,10 @@ func (s *soak) check() (*soakReport, error) {
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
 	if stdout.Len() == 0 {
-		return nil, fmt.Errorf("%v: %s", err, stderr.String())
+		if err == nil {
+			err = errors.New("exit status 0")
+		}
+		return nil, fmt.Errorf("check printed no report: %w; its stderr: %s", err, stderr.String())
 	}
 	var rep soakReport
 	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
