@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/url"
@@ -13,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -47,7 +49,19 @@ const (
 	soakPoisonRate     = 0.02 // poison records, as a fraction of the orders
 	soakDupRate        = 0.15 // records delivered twice
 	soakSessionTimeout = "3s"
-	soakStopGrace      = 10 * time.Second // SIGTERM to exit: what orchestrators grant, and the worker promises
+	// A rebalance timeout under 10s/(workers-1), because of a bug in the
+	// pinned kfake: after a static member is replaced while its old
+	// incarnation waits in SyncGroup, the broker undercounts the members
+	// that rejoined, so the rebalance completes only when its timer fires,
+	// and every JoinGroup restarts that timer. Members whose JoinGroup
+	// times out (after the rebalance timeout plus franz-go's 10s of
+	// overhead) send it again; if their retries never leave a gap as long
+	// as the rebalance timeout, the timer never fires and the group is
+	// stuck for good (seen in 10-minute runs with the default 30s: three
+	// members retrying every 40s, gaps of at most 28s). Three members
+	// retrying every 14s leave a gap of at least 4.7s, longer than 4s.
+	soakRebalanceTimeout = "4s"
+	soakStopGrace        = 10 * time.Second // SIGTERM to exit: what orchestrators grant, and the worker promises
 )
 
 // The fault kinds the driver injects; every one must be met during a run.
@@ -101,6 +115,7 @@ func TestSoak(t *testing.T) {
 	t.Logf("soak: seed %d, %s of chaos, %d workers, %d records/s", seed, duration, soakWorkers, soakRate)
 	t.Cleanup(func() {
 		if t.Failed() {
+			s.dumpGoroutines()
 			s.dumpLogs()
 			t.Logf("soak: FAILED; replay the schedule with %s=1 %s=%d %s=%s make test-soak",
 				soakEnv, soakSeedEnv, seed, soakDurationEnv, duration)
@@ -176,6 +191,7 @@ type soak struct {
 	seed     uint64
 	bin      string // the orderworker binary
 	logDir   string
+	journal  *os.File // what the driver did, and when
 	db       *testenv.DB
 	cluster  *kfake.Cluster
 	brokers  string
@@ -215,6 +231,12 @@ func newSoak(t *testing.T, duration time.Duration, seed uint64) *soak {
 	} else if err := os.MkdirAll(s.logDir, 0o755); err != nil {
 		t.Fatal(err)
 	}
+	journal, err := os.Create(filepath.Join(s.logDir, "driver.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.journal = journal
+	t.Cleanup(func() { _ = journal.Close() })
 	s.bin = filepath.Join(t.TempDir(), "orderworker")
 	build := exec.CommandContext(t.Context(), "go", "build", "-o", s.bin, "github.com/oncely/oncely/examples/orderworker")
 	if out, err := build.CombinedOutput(); err != nil {
@@ -257,8 +279,8 @@ func newSoak(t *testing.T, duration time.Duration, seed uint64) *soak {
 		w.env = []string{"DATABASE_URL=" + u.String()}
 		w.args = []string{"run", "--brokers", s.brokers, "--topic", soakTopic, "--events-topic", soakEvents,
 			"--group", s.group, "--schema", s.db.Schema, "--http-addr", "127.0.0.1:0",
-			"--instance-id", w.name, "--session-timeout", soakSessionTimeout}
-		if w.log, err = os.OpenFile(filepath.Join(s.logDir, w.name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644); err != nil {
+			"--instance-id", w.name, "--session-timeout", soakSessionTimeout, "--rebalance-timeout", soakRebalanceTimeout}
+		if w.log, err = os.OpenFile(filepath.Join(s.logDir, w.name+".log"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC|os.O_APPEND, 0o644); err != nil {
 			t.Fatal(err)
 		}
 		s.workers = append(s.workers, w)
@@ -364,11 +386,11 @@ func (s *soak) judgeExit(w *soakWorker, p *soakProc, what string) {
 }
 
 // spawn starts the orderworker binary with args, its output appended to
-// log after a marker line. The process gets SIGKILL if the test process
-// dies first.
+// log after a marker line. The process gets SIGKILL when the test ends, or
+// if the test process dies first.
 func (s *soak) spawn(log *os.File, what string, env []string, args ...string) (*exec.Cmd, error) {
 	_, _ = fmt.Fprintf(log, "--- soak: %s: %s\n", what, strings.Join(args, " "))
-	cmd := exec.Command(s.bin, args...)
+	cmd := exec.CommandContext(s.t.Context(), s.bin, args...)
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -462,6 +484,7 @@ func (s *soak) processChaos(ctx context.Context) {
 		if rng.IntN(5) > 0 {
 			if w.kill() {
 				s.count(&s.kills)
+				s.note("SIGKILL %s", w.name)
 			}
 			continue
 		}
@@ -469,6 +492,7 @@ func (s *soak) processChaos(ctx context.Context) {
 		// takes a second one as "stop now" and dies of it.
 		if p := w.current(); p != nil && !p.draining.Load() {
 			s.count(&s.stops)
+			s.note("SIGTERM %s", w.name)
 			stops.Go(func() { s.stop(w, "during the chaos") })
 		}
 	}
@@ -485,25 +509,36 @@ func (s *soak) infraChaos(ctx context.Context) {
 		if n < len(kinds) {
 			kind = kinds[n]
 		}
+		detail := ""
 		switch kind {
 		case faultCommitDropped:
-			s.kfaults.Drop(kmsg.OffsetCommit, 1+rng.IntN(3))
+			n := 1 + rng.IntN(3)
+			s.kfaults.Drop(kmsg.OffsetCommit, n)
+			detail = fmt.Sprint("the next ", n)
 		case faultFetchDropped:
-			s.kfaults.Drop(kmsg.Fetch, 1+rng.IntN(3))
+			n := 1 + rng.IntN(3)
+			s.kfaults.Drop(kmsg.Fetch, n)
+			detail = fmt.Sprint("the next ", n)
 		case faultProduceDropped:
-			s.kfaults.Drop(kmsg.Produce, 1+rng.IntN(2))
+			n := 1 + rng.IntN(2)
+			s.kfaults.Drop(kmsg.Produce, n)
+			detail = fmt.Sprint("the next ", n)
 		case faultDelayed:
 			key := soakDelayedKeys[rng.IntN(len(soakDelayedKeys))]
-			s.kfaults.Delay(key, between(rng, 50*time.Millisecond, 1500*time.Millisecond))
+			d := between(rng, 50*time.Millisecond, 1500*time.Millisecond)
+			s.kfaults.Delay(key, d)
+			detail = fmt.Sprintf("the next %s by %s", key.Name(), d.Round(time.Millisecond))
 		case faultCoordinator:
 			s.cluster.RehashCoordinators()
 			s.countFault(kind, 1)
 		case faultLeader:
 			tp := s.topics[rng.IntN(len(s.topics))]
-			if err := s.cluster.MoveTopicPartition(tp.name, rng.Int32N(tp.partitions), rng.Int32N(3)); err != nil {
+			p, node := rng.Int32N(tp.partitions), rng.Int32N(3)
+			if err := s.cluster.MoveTopicPartition(tp.name, p, node); err != nil {
 				s.t.Errorf("move a partition leader of %s: %v", tp.name, err)
 			}
 			s.countFault(kind, 1)
+			detail = fmt.Sprintf("%s/%d to broker %d", tp.name, p, node)
 		case faultTerminated:
 			w := s.workers[rng.IntN(len(s.workers))]
 			var n int
@@ -513,14 +548,19 @@ func (s *soak) infraChaos(ctx context.Context) {
 			}
 			s.countFault(kind, min(n, 1))
 			s.countFault(sessionsTerminated, n)
+			detail = fmt.Sprintf("%s: %d sessions", w.name, n)
 		case faultStalled:
-			s.proxy.Stall(between(rng, 200*time.Millisecond, 2*time.Second))
+			d := between(rng, 200*time.Millisecond, 2*time.Second)
+			s.proxy.Stall(d)
 			s.countFault(kind, 1)
+			detail = fmt.Sprint("for ", d.Round(time.Millisecond))
 		case faultCut:
 			n := s.proxy.Cut()
 			s.countFault(kind, min(n, 1))
 			s.countFault(connectionsCut, n)
+			detail = fmt.Sprint(n, " connections")
 		}
+		s.note("%s %s", kind, detail)
 	}
 }
 
@@ -551,6 +591,13 @@ func (s *soak) countFault(kind string, n int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.faults[kind] += n
+}
+
+// note writes a line to the driver's journal.
+func (s *soak) note(format string, args ...any) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, _ = fmt.Fprintf(s.journal, "%s %s\n", time.Now().UTC().Format("15:04:05.000"), fmt.Sprintf(format, args...))
 }
 
 func (s *soak) violation(format string, args ...any) {
@@ -650,7 +697,10 @@ func (s *soak) check() (*soakReport, error) {
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
 	if stdout.Len() == 0 {
-		return nil, fmt.Errorf("%v: %s", err, stderr.String())
+		if err == nil {
+			err = errors.New("exit status 0")
+		}
+		return nil, fmt.Errorf("check printed no report: %w; its stderr: %s", err, stderr.String())
 	}
 	var rep soakReport
 	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
@@ -741,10 +791,26 @@ func (s *soak) report(rep *soakReport) {
 // minute.
 func soakMinKills(d time.Duration) int { return int(d / (3 * time.Second)) }
 
-// dumpLogs prints the end of each process's log.
+// dumpGoroutines writes the test process's goroutines (the brokers', the
+// proxy's) to the log directory: where a wedged broker is stuck.
+func (s *soak) dumpGoroutines() {
+	f, err := os.Create(filepath.Join(s.logDir, "goroutines.txt"))
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	_ = pprof.Lookup("goroutine").WriteTo(f, 2)
+}
+
+// dumpLogs prints the end of each process's log and of the driver's
+// journal.
 func (s *soak) dumpLogs() {
 	entries, _ := os.ReadDir(s.logDir)
 	for _, e := range entries {
+		if e.Name() == "goroutines.txt" {
+			s.t.Logf("--- the test process's goroutines: %s", filepath.Join(s.logDir, e.Name()))
+			continue
+		}
 		b, _ := os.ReadFile(filepath.Join(s.logDir, e.Name()))
 		s.t.Logf("--- %s (last 60 lines; all in %s):\n%s", e.Name(), s.logDir, tailLines(string(b), 60))
 	}
