@@ -158,9 +158,11 @@ type Config struct {
 	ShutdownTimeout time.Duration
 
 	// MaxBufferedRecords bounds the records buffered per partition; fetching
-	// of a partition pauses while its buffer is full. Default 2000.
+	// of a partition pauses while its buffer is full. Default 2000, or two
+	// batches (2 x BatchSize) if that is more.
 	MaxBufferedRecords int
-	// MaxPollRecords bounds the records taken per poll. Default 1000.
+	// MaxPollRecords bounds the records taken per poll. Default 1000, or
+	// 4 x BatchSize if that is more.
 	MaxPollRecords int
 
 	// TracerProvider and MeterProvider instrument the consumer (one
@@ -206,8 +208,10 @@ func (cfg *Config) setDefaults() {
 	cfg.CommitInterval = cmp.Or(cfg.CommitInterval, time.Second)
 	cfg.RevokeTimeout = cmp.Or(cfg.RevokeTimeout, 5*time.Second)
 	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, 8*time.Second)
-	cfg.MaxBufferedRecords = cmp.Or(cfg.MaxBufferedRecords, 2000)
-	cfg.MaxPollRecords = cmp.Or(cfg.MaxPollRecords, 1000)
+	// A poll should be able to fill a batch of every partition, and a
+	// partition's buffer hold two batches.
+	cfg.MaxBufferedRecords = cmp.Or(cfg.MaxBufferedRecords, max(2000, 2*cfg.BatchSize))
+	cfg.MaxPollRecords = cmp.Or(cfg.MaxPollRecords, max(1000, 4*cfg.BatchSize))
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	cfg.BatchSize = cmp.Or(cfg.BatchSize, 1)
 	cfg.BatchMaxWait = cmp.Or(cfg.BatchMaxWait, 5*time.Millisecond)
