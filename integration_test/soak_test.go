@@ -64,6 +64,11 @@ const (
 	soakStopGrace        = 10 * time.Second // SIGTERM to exit: what orchestrators grant, and the worker promises
 )
 
+// soakModes are the worker slots' consumer modes: batches of 100 (the
+// example's default), a transaction per record, and 8 keys of a partition
+// at once.
+var soakModes = [][]string{{}, {"--batch-size", "1"}, {"--key-parallelism", "8"}}
+
 // The fault kinds the driver injects; every one must be met during a run.
 const (
 	faultCommitDropped  = "OffsetCommit requests dropped"
@@ -280,6 +285,9 @@ func newSoak(t *testing.T, duration time.Duration, seed uint64) *soak {
 		w.args = []string{"run", "--brokers", s.brokers, "--topic", soakTopic, "--events-topic", soakEvents,
 			"--group", s.group, "--schema", s.db.Schema, "--http-addr", "127.0.0.1:0",
 			"--instance-id", w.name, "--session-timeout", soakSessionTimeout, "--rebalance-timeout", soakRebalanceTimeout}
+		// Each slot runs another of the consumer's modes, so partitions move
+		// between batches, single records and per-key lanes mid-stream.
+		w.args = append(w.args, soakModes[i%len(soakModes)]...)
 		if w.log, err = os.OpenFile(filepath.Join(s.logDir, w.name+".log"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC|os.O_APPEND, 0o644); err != nil {
 			t.Fatal(err)
 		}
