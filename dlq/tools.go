@@ -5,14 +5,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"time"
 
-	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/internal/topicread"
 )
 
 // Entry is a dead-letter record read back from a dead-letter topic.
@@ -79,96 +78,35 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 	if topic == "" {
 		return nil, errors.New("dlq: list: topic is empty")
 	}
-	admin, err := kgo.NewClient(opts...)
+	recs, err := topicread.All(ctx, opts, topic)
 	if err != nil {
-		return nil, fmt.Errorf("dlq: list: client: %w", err)
-	}
-	defer admin.Close()
-	adm := kadm.NewClient(admin)
-	starts, err := adm.ListStartOffsets(ctx, topic)
-	if err == nil {
-		err = starts.Error()
-	}
-	if err != nil {
-		return nil, fmt.Errorf("dlq: list %s: %w", topic, err)
-	}
-	ends, err := adm.ListEndOffsets(ctx, topic)
-	if err == nil {
-		err = ends.Error()
-	}
-	if err != nil {
-		return nil, fmt.Errorf("dlq: list %s: %w", topic, err)
-	}
-	from := map[string]map[int32]kgo.Offset{topic: {}}
-	remaining := map[int32]int64{} // partition -> end offset still to reach
-	starts.Each(func(o kadm.ListedOffset) {
-		end, _ := ends.Lookup(o.Topic, o.Partition)
-		if end.Offset > o.Offset {
-			from[topic][o.Partition] = kgo.NewOffset().At(o.Offset)
-			remaining[o.Partition] = end.Offset
-		}
-	})
-	if len(remaining) == 0 {
-		return nil, nil
-	}
-	cl, err := kgo.NewClient(append(append([]kgo.Opt(nil), opts...), kgo.ConsumePartitions(from))...)
-	if err != nil {
-		return nil, fmt.Errorf("dlq: list: client: %w", err)
-	}
-	defer cl.Close()
-
-	byPart := map[int32][]*kgo.Record{}
-	for len(remaining) > 0 {
-		fetches := cl.PollFetches(ctx)
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("dlq: list %s: %w", topic, err)
-		}
-		var ferr error
-		fetches.EachError(func(_ string, p int32, err error) { ferr = fmt.Errorf("partition %d: %w", p, err) })
-		if ferr != nil {
-			return nil, fmt.Errorf("dlq: list %s: %w", topic, ferr)
-		}
-		fetches.EachRecord(func(r *kgo.Record) {
-			end, ok := remaining[r.Partition]
-			if !ok || r.Offset >= end {
-				return
-			}
-			byPart[r.Partition] = append(byPart[r.Partition], r)
-			if r.Offset+1 >= end {
-				delete(remaining, r.Partition)
-			}
-		})
+		return nil, fmt.Errorf("dlq: list: %w", err)
 	}
 
 	var out []Entry
 	seen := map[string]int{} // identity -> index in out
-	parts := make([]int32, 0, len(byPart))
-	for p := range byPart {
-		parts = append(parts, p)
-	}
-	slices.Sort(parts)
-	for _, p := range parts {
-		for _, r := range byPart[p] {
-			e := Entry{Record: r, Copies: 1}
-			e.Info, e.Err = Decode(r.Headers)
-			if e.Info != nil {
-				id := fmt.Sprintf("%s\x00%s\x00%s/%d/%d", e.Info.Group, e.Info.MessageID, e.Info.Topic, e.Info.Partition, e.Info.Offset)
-				if i, dup := seen[id]; dup {
-					if out[i].Copies > 0 {
-						out[i].Copies++
-					}
-					continue
+	// Copies of one dead-lettering (a crash between the produce and the
+	// inbox record writes one more) are listed once, counted in Copies.
+	for _, r := range recs {
+		e := Entry{Record: r, Copies: 1}
+		e.Info, e.Err = Decode(r.Headers)
+		if e.Info != nil {
+			id := fmt.Sprintf("%s\x00%s\x00%s/%d/%d", e.Info.Group, e.Info.MessageID, e.Info.Topic, e.Info.Partition, e.Info.Offset)
+			if i, dup := seen[id]; dup {
+				if i >= 0 { // -1: a copy of an entry the filter left out
+					out[i].Copies++
 				}
-				if !f.match(&e) {
-					seen[id] = -1 // remember, so later copies are not listed either
-					continue
-				}
-				seen[id] = len(out)
-			} else if !f.match(&e) {
 				continue
 			}
-			out = append(out, e)
+			if !f.match(&e) {
+				seen[id] = -1 // remember, so later copies are not listed either
+				continue
+			}
+			seen[id] = len(out)
+		} else if !f.match(&e) {
+			continue
 		}
+		out = append(out, e)
 	}
 	return out, nil
 }

@@ -336,3 +336,41 @@ func TestRedriveProcessesOnceMore(t *testing.T) {
 		t.Error("redriven record lost its traceparent")
 	}
 }
+
+// Copies of one dead-lettering (a crash between the dead-letter produce and
+// the inbox record writes a second) are listed once with their count, also
+// when a filter leaves that entry out.
+func TestListCollapsesCopies(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.createDLQTopic(t)
+	topic := dlq.DefaultTopic(e.topic)
+	info := func(id string, off int64) *dlq.Info {
+		now := time.Now()
+		return &dlq.Info{Topic: e.topic, Offset: off, Timestamp: now, Group: e.group, MessageID: id, Attempts: 1,
+			FirstFailure: now, LastFailure: now, Class: dlq.ClassPermanent, Error: "bad"}
+	}
+	a, b := e.rec(0, "a", "x"), e.rec(0, "b", "y")
+	e.produceRecords(t,
+		dlq.NewRecord(topic, a, info("a", 0), dlq.HeaderPolicy{}),
+		dlq.NewRecord(topic, a, info("a", 0), dlq.HeaderPolicy{}), // the copy
+		dlq.NewRecord(topic, b, info("b", 1), dlq.HeaderPolicy{}))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	opts := []kgo.Opt{kgo.SeedBrokers(e.kafka.Brokers...)}
+	all, err := dlq.List(ctx, opts, topic, dlq.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) != 2 || all[0].Info.MessageID != "a" || all[0].Copies != 2 || all[1].Info.MessageID != "b" || all[1].Copies != 1 {
+		t.Fatalf("List = %+v, want a (2 copies) then b (1)", all)
+	}
+	onlyB, err := dlq.List(ctx, opts, topic, dlq.Filter{MessageID: "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(onlyB) != 1 || onlyB[0].Info.MessageID != "b" || onlyB[0].Copies != 1 {
+		t.Fatalf("List(message id b) = %+v, want b alone", onlyB)
+	}
+}

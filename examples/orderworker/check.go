@@ -23,6 +23,7 @@ import (
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/kafkaflags"
+	"github.com/oncely/oncely/internal/topicread"
 )
 
 // checkCmd checks a deployment's history, once its workers have caught up:
@@ -515,63 +516,7 @@ func header(rec *kgo.Record, key string) string {
 // readTopic returns every record of topic from the start of each partition
 // to its end at the time of the call.
 func readTopic(ctx context.Context, brokers []string, topic string) ([]*kgo.Record, error) {
-	admin, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
-	if err != nil {
-		return nil, err
-	}
-	defer admin.Close()
-	adm := kadm.NewClient(admin)
-	starts, err := adm.ListStartOffsets(ctx, topic)
-	if err == nil {
-		err = starts.Error()
-	}
-	if err != nil {
-		return nil, fmt.Errorf("list start offsets of %s: %w", topic, err)
-	}
-	ends, err := adm.ListEndOffsets(ctx, topic)
-	if err == nil {
-		err = ends.Error()
-	}
-	if err != nil {
-		return nil, fmt.Errorf("list end offsets of %s: %w", topic, err)
-	}
-	from := map[int32]kgo.Offset{}
-	remaining := map[int32]int64{} // partition -> end offset still to reach
-	starts.Each(func(o kadm.ListedOffset) {
-		if end, ok := ends.Lookup(topic, o.Partition); ok && end.Offset > o.Offset {
-			from[o.Partition] = kgo.NewOffset().At(o.Offset)
-			remaining[o.Partition] = end.Offset
-		}
-	})
-	if len(remaining) == 0 {
-		return nil, nil
-	}
-	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}))
-	if err != nil {
-		return nil, err
-	}
-	defer cl.Close()
-	var recs []*kgo.Record
-	for len(remaining) > 0 {
-		fetches := cl.PollFetches(ctx)
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("read %s: %w", topic, err)
-		}
-		if err := fetches.Err(); err != nil {
-			return nil, fmt.Errorf("read %s: %w", topic, err)
-		}
-		fetches.EachRecord(func(rec *kgo.Record) {
-			end, ok := remaining[rec.Partition]
-			if !ok || rec.Offset >= end {
-				return
-			}
-			recs = append(recs, rec)
-			if rec.Offset+1 >= end {
-				delete(remaining, rec.Partition)
-			}
-		})
-	}
-	return recs, nil
+	return topicread.All(ctx, []kgo.Opt{kgo.SeedBrokers(brokers...)}, topic)
 }
 
 // offsetsCaughtUp reports whether the group's committed offsets reached the
