@@ -49,6 +49,16 @@ func setup(t *testing.T, cfg idempotency.Config, routes map[string]http.Handler,
 	return setupVia(t, nil, cfg, routes, arm...)
 }
 
+// setupOrders is setup with the orders handler alone, on /orders.
+func setupOrders(t *testing.T, cfg idempotency.Config) *env {
+	t.Helper()
+	var e *env
+	e = setup(t, cfg, map[string]http.Handler{
+		"/orders": http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { e.orders()(w, r) }),
+	})
+	return e
+}
+
 // setupVia is setup with the middleware reaching Postgres through proxy
 // (nil: directly); the test's own queries go directly.
 func setupVia(t *testing.T, proxy *testenv.PostgresProxy, cfg idempotency.Config, routes map[string]http.Handler, arm ...func(*idempotency.Middleware)) *env {
@@ -560,10 +570,7 @@ func TestKeyRequiredOptionalAndInvalid(t *testing.T) {
 // bare form name the same key.
 func TestQuotedAndBareKeyAreOneKey(t *testing.T) {
 	t.Parallel()
-	var e *env
-	e = setup(t, idempotency.Config{}, map[string]http.Handler{
-		"/orders": http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { e.orders()(w, r) }),
-	})
+	e := setupOrders(t, idempotency.Config{})
 	key := uuid.NewString()
 	first := e.post("/orders", `"`+key+`"`, "{}")
 	requireCreated(t, first)
@@ -956,10 +963,7 @@ func TestScopeIsolation(t *testing.T) {
 // runs afresh, even for another request, before cleanup deleted its row.
 func TestExpiredKeyIsFree(t *testing.T) {
 	t.Parallel()
-	var e *env
-	e = setup(t, idempotency.Config{}, map[string]http.Handler{
-		"/orders": http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { e.orders()(w, r) }),
-	})
+	e := setupOrders(t, idempotency.Config{})
 	key := uuid.NewString()
 	requireCreated(t, e.post("/orders", key, `{"v":1}`))
 	if _, err := e.db.Pool.Exec(e.ctx, `UPDATE `+e.keys+` SET expires_at = now() - interval '1 second' WHERE key = $1`, key); err != nil {
