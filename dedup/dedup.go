@@ -8,7 +8,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncely/oncely/internal/pgtx"
 	"github.com/oncely/oncely/internal/sqlident"
 )
 
@@ -123,26 +125,102 @@ func (e *Entry) check() error {
 // Claim inserts the entry's id and reports whether it is new (true) or was
 // claimed before (false). Call it first in the transaction that carries the
 // message's effects; if another open transaction holds the same id, Claim
-// waits for it to end.
+// waits for it to end. BeginClaim does the same in a transaction it begins,
+// one round trip sooner.
 func (in *Inbox) Claim(ctx context.Context, tx DBTX, e Entry) (bool, error) {
-	if err := e.check(); err != nil {
+	sql, args, err := in.claimArgs(e)
+	if err != nil {
 		return false, err
 	}
-	sql := in.claim
-	if e.Redrive {
-		sql = in.redrive
-	}
-	tag, err := tx.Exec(ctx, sql, e.Group, e.MessageID, e.Topic, e.Partition, e.Offset, string(e.Outcome))
+	tag, err := tx.Exec(ctx, sql, args...)
 	if err != nil {
 		return false, fmt.Errorf("dedup: claim %q: %w", e.MessageID, err)
 	}
 	return tag.RowsAffected() == 1, nil
 }
 
+// BeginClaim begins a transaction on a connection from pool with e's claim
+// as its first statement, and reports whether the claim is new, as Claim
+// does. BEGIN and the claim go to Postgres in one round trip, where
+// pool.Begin followed by Claim takes two. The transaction is open either
+// way; the caller commits or rolls it back, which returns its connection to
+// the pool. On error there is no transaction.
+func (in *Inbox) BeginClaim(ctx context.Context, pool *pgxpool.Pool, e Entry) (pgx.Tx, bool, error) {
+	sql, args, err := in.claimArgs(e)
+	if err != nil {
+		return nil, false, err
+	}
+	var claimed bool
+	tx, err := pgtx.Begin(ctx, pool, func(b *pgx.Batch) {
+		b.Queue(sql, args...).Exec(func(tag pgconn.CommandTag) error {
+			claimed = tag.RowsAffected() == 1
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, false, fmt.Errorf("dedup: begin and claim %q: %w", e.MessageID, err)
+	}
+	return tx, claimed, nil
+}
+
+func (in *Inbox) claimArgs(e Entry) (string, []any, error) {
+	if err := e.check(); err != nil {
+		return "", nil, err
+	}
+	sql := in.claim
+	if e.Redrive {
+		sql = in.redrive
+	}
+	return sql, []any{e.Group, e.MessageID, e.Topic, e.Partition, e.Offset, string(e.Outcome)}, nil
+}
+
 // ClaimMany claims all entries of one group in a single statement and returns,
 // aligned with entries, whether each was newly claimed. When an id occurs
 // more than once in entries, only its first occurrence can be new.
 func (in *Inbox) ClaimMany(ctx context.Context, tx DBTX, group string, entries []Entry) ([]bool, error) {
+	args, err := claimManyArgs(group, entries)
+	if err != nil {
+		return nil, err
+	}
+	if len(entries) == 0 {
+		return []bool{}, nil
+	}
+	rows, err := tx.Query(ctx, in.claimMany, args...)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim many: %w", err)
+	}
+	return claimedOf(rows, args[1].([]string))
+}
+
+// BeginClaimMany is ClaimMany as the first statement of a transaction it
+// begins on a connection from pool, in one round trip with BEGIN (see
+// BeginClaim).
+func (in *Inbox) BeginClaimMany(ctx context.Context, pool *pgxpool.Pool, group string, entries []Entry) (pgx.Tx, []bool, error) {
+	args, err := claimManyArgs(group, entries)
+	if err != nil {
+		return nil, nil, err
+	}
+	claimed := make([]bool, len(entries))
+	tx, err := pgtx.Begin(ctx, pool, func(b *pgx.Batch) {
+		if len(entries) == 0 {
+			return
+		}
+		b.Queue(in.claimMany, args...).Query(func(rows pgx.Rows) error {
+			var err error
+			claimed, err = claimedOf(rows, args[1].([]string))
+			return err
+		})
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("dedup: begin and claim many: %w", err)
+	}
+	return tx, claimed, nil
+}
+
+// claimManyArgs checks entries and returns the claimMany statement's
+// arguments: the group, then arrays of ids, topics, partitions, offsets and
+// outcomes.
+func claimManyArgs(group string, entries []Entry) ([]any, error) {
 	n := len(entries)
 	ids, topics, outcomes := make([]string, n), make([]string, n), make([]string, n)
 	parts, offs := make([]int32, n), make([]int64, n)
@@ -159,19 +237,18 @@ func (in *Inbox) ClaimMany(ctx context.Context, tx DBTX, group string, entries [
 		}
 		ids[i], topics[i], parts[i], offs[i], outcomes[i] = e.MessageID, e.Topic, e.Partition, e.Offset, string(e.Outcome)
 	}
-	claimed := make([]bool, n)
-	if n == 0 {
-		return claimed, nil
-	}
-	rows, err := tx.Query(ctx, in.claimMany, group, ids, topics, parts, offs, outcomes)
-	if err != nil {
-		return nil, fmt.Errorf("dedup: claim many: %w", err)
-	}
-	fresh := make(map[string]bool, n)
+	return []any{group, ids, topics, parts, offs, outcomes}, nil
+}
+
+// claimedOf reads the ids a claimMany statement returned and says, aligned
+// with ids, which were newly claimed.
+func claimedOf(rows pgx.Rows, ids []string) ([]bool, error) {
+	fresh := make(map[string]bool, len(ids))
 	var id string
 	if _, err := pgx.ForEachRow(rows, []any{&id}, func() error { fresh[id] = true; return nil }); err != nil {
 		return nil, fmt.Errorf("dedup: claim many: %w", err)
 	}
+	claimed := make([]bool, len(ids))
 	for i, id := range ids {
 		if fresh[id] {
 			claimed[i] = true

@@ -91,18 +91,35 @@ func TestNew(t *testing.T) {
 
 func TestClaimThenDuplicate(t *testing.T) {
 	t.Parallel()
+	for name, claim := range claimWays {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testClaimThenDuplicate(t, claim)
+		})
+	}
+}
+
+func testClaimThenDuplicate(t *testing.T, claimWay func(context.Context, *pgxpool.Pool, *dedup.Inbox, dedup.Entry, string) (bool, error)) {
 	db, in, ctx := setup(t)
+	claim := func(e dedup.Entry) bool {
+		t.Helper()
+		ok, err := claimWay(ctx, db.Pool, in, e, `SELECT $1::text, $2::bigint`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
 	e := dedup.Entry{Group: "g", MessageID: "m-1", Topic: "orders", Partition: 3, Offset: 42}
-	if !claimTx(t, ctx, db.Pool, in, e) {
+	if !claim(e) {
 		t.Fatal("first Claim = false, want true")
 	}
-	if claimTx(t, ctx, db.Pool, in, e) {
+	if claim(e) {
 		t.Fatal("second Claim of the same (group, id) = true, want false")
 	}
 	// A redelivery at another offset is still the same message.
 	e2 := e
 	e2.Offset, e2.Partition = 99, 0
-	if claimTx(t, ctx, db.Pool, in, e2) {
+	if claim(e2) {
 		t.Fatal("Claim of the same id from another offset = true, want false")
 	}
 
@@ -200,6 +217,10 @@ func TestClaimInvalidEntry(t *testing.T) {
 		if ok, err := in.Claim(ctx, nil, e); ok || !errors.Is(err, dedup.ErrInvalidEntry) {
 			t.Errorf("Claim(%+v) = %v, %v; want false, ErrInvalidEntry", e, ok, err)
 		}
+	}
+	// A nil pool: BeginClaim too refuses before it connects.
+	if tx, ok, err := in.BeginClaim(ctx, nil, dedup.Entry{MessageID: "m"}); tx != nil || ok || !errors.Is(err, dedup.ErrInvalidEntry) {
+		t.Errorf("BeginClaim without a group = %v, %v, %v; want ErrInvalidEntry", tx, ok, err)
 	}
 	if ok, err := in.Claim(ctx, nil, dedup.Entry{Group: "g", MessageID: "m", Outcome: "done"}); ok || err == nil {
 		t.Errorf("Claim with outcome \"done\" = %v, %v; want an error", ok, err)
@@ -300,11 +321,103 @@ func TestClaimManyEmptyAndWrongGroup(t *testing.T) {
 	}
 }
 
+// TestBeginClaimMany checks that BeginClaimMany claims like ClaimMany, in
+// the transaction it returns: rolled back, nothing stays claimed.
+func TestBeginClaimMany(t *testing.T) {
+	t.Parallel()
+	db, in, ctx := setup(t)
+	if !claimTx(t, ctx, db.Pool, in, dedup.Entry{Group: "g", MessageID: "old"}) {
+		t.Fatal("pre-claim old failed")
+	}
+	entries := []dedup.Entry{{MessageID: "a", Offset: 1}, {MessageID: "old", Offset: 2}, {MessageID: "b", Offset: 3}, {MessageID: "a", Offset: 4}}
+	want := []bool{true, false, true, false}
+
+	tx, got, err := in.BeginClaimMany(ctx, db.Pool, "g", entries)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("BeginClaimMany = %v, want %v", got, want)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := inboxCount(t, ctx, db, ""); n != 1 {
+		t.Fatalf("inbox has %d rows after a rolled-back BeginClaimMany, want 1", n)
+	}
+
+	tx, got, err = in.BeginClaimMany(ctx, db.Pool, "g", entries)
+	if err != nil || !slices.Equal(got, want) {
+		t.Fatalf("BeginClaimMany after the rollback = %v, %v; want %v", got, err, want)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := inboxCount(t, ctx, db, ""); n != 3 {
+		t.Fatalf("inbox has %d rows, want 3 (old, a, b)", n)
+	}
+
+	// No entries: a transaction with nothing claimed.
+	tx, got, err = in.BeginClaimMany(ctx, db.Pool, "g", nil)
+	if err != nil || len(got) != 0 {
+		t.Fatalf("BeginClaimMany(nil) = %v, %v", got, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Invalid entries: an error, and no transaction.
+	if tx, _, err := in.BeginClaimMany(ctx, db.Pool, "g", []dedup.Entry{{}}); err == nil || tx != nil {
+		t.Fatalf("BeginClaimMany of an entry without id = %v, %v; want an error", tx, err)
+	}
+	if n := db.Pool.Stat().AcquiredConns(); n != 0 {
+		t.Fatalf("%d connections still acquired", n)
+	}
+}
+
 // TestClaimExactlyOnceRace fires 25 deliveries of one message at once, each
 // in its own transaction that writes an effect only if its claim succeeded:
 // exactly one effect may exist. Several rounds make real contention likely.
 func TestClaimExactlyOnceRace(t *testing.T) {
 	t.Parallel()
+	for name, claim := range claimWays {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testClaimExactlyOnceRace(t, claim)
+		})
+	}
+}
+
+// claimWays are the two ways to claim in a transaction: Claim after
+// pool.Begin, and BeginClaim. Each writes an effect when the claim is new,
+// and commits.
+var claimWays = map[string]func(ctx context.Context, pool *pgxpool.Pool, in *dedup.Inbox, e dedup.Entry, effect string) (bool, error){
+	"Claim": func(ctx context.Context, pool *pgxpool.Pool, in *dedup.Inbox, e dedup.Entry, effect string) (claimed bool, err error) {
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			claimed, err = in.Claim(ctx, tx, e)
+			if err != nil || !claimed {
+				return err
+			}
+			_, err = tx.Exec(ctx, effect, e.MessageID, e.Offset)
+			return err
+		})
+		return claimed, err
+	},
+	"BeginClaim": func(ctx context.Context, pool *pgxpool.Pool, in *dedup.Inbox, e dedup.Entry, effect string) (bool, error) {
+		tx, claimed, err := in.BeginClaim(ctx, pool, e)
+		if err != nil {
+			return false, err
+		}
+		defer tx.Rollback(context.WithoutCancel(ctx))
+		if claimed {
+			if _, err := tx.Exec(ctx, effect, e.MessageID, e.Offset); err != nil {
+				return false, err
+			}
+		}
+		return claimed, tx.Commit(ctx)
+	},
+}
+
+func testClaimExactlyOnceRace(t *testing.T, claim func(context.Context, *pgxpool.Pool, *dedup.Inbox, dedup.Entry, string) (bool, error)) {
 	db, in, ctx := setup(t)
 	const deliveries, rounds = 25, 4
 	pool, err := testenv.NewPool(ctx, db.URL, db.Schema, deliveries)
@@ -336,15 +449,8 @@ func TestClaimExactlyOnceRace(t *testing.T) {
 		for d := range deliveries {
 			wg.Go(func() {
 				<-start
-				errs[d] = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-					ok, err := in.Claim(ctx, tx, dedup.Entry{Group: "g", MessageID: id, Offset: int64(d)})
-					if err != nil || !ok {
-						return err
-					}
-					claimed[d] = true
-					_, err = tx.Exec(ctx, `INSERT INTO effects (message_id, delivery) VALUES ($1, $2)`, id, d)
-					return err
-				})
+				claimed[d], errs[d] = claim(ctx, pool, in, dedup.Entry{Group: "g", MessageID: id, Offset: int64(d)},
+					`INSERT INTO effects (message_id, delivery) VALUES ($1, $2)`)
 			})
 		}
 		close(start)
