@@ -924,18 +924,8 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		return res
 	}
 	res.id = id
-	tx, err := c.cfg.Pool.Begin(ctx)
-	if err != nil {
-		res.err, res.infra = fmt.Errorf("consumer: begin: %w", err), true
-		return res
-	}
-	defer func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_ = tx.Rollback(rctx) // no-op after commit
-	}()
-
-	claimed, err := c.inbox.Claim(ctx, tx, dedup.Entry{
+	// BEGIN and the claim travel in one round trip.
+	tx, claimed, err := c.inbox.BeginClaim(ctx, c.cfg.Pool, dedup.Entry{
 		Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
 		Redrive: isRedrive(rec),
 	})
@@ -943,6 +933,11 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		res.err, res.infra = err, true
 		return res
 	}
+	defer func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = tx.Rollback(rctx) // no-op after commit
+	}()
 	if !claimed {
 		res.duplicate = true
 		return res

@@ -225,24 +225,21 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		return sctx
 	}
 
-	tx, err := c.cfg.Pool.Begin(ctx)
+	entries := make([]dedup.Entry, len(recs))
+	for i, rec := range recs {
+		outs[i].id = ids[i]
+		entries[i] = dedup.Entry{Group: c.cfg.Group, MessageID: ids[i], Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset}
+	}
+	// BEGIN and the batch's claim travel in one round trip.
+	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries)
 	if err != nil {
-		return outs, fmt.Errorf("consumer: begin: %w", err), true
+		return outs, err, true
 	}
 	defer func() {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
 		_ = tx.Rollback(rctx) // no-op after commit
 	}()
-	entries := make([]dedup.Entry, len(recs))
-	for i, rec := range recs {
-		outs[i].id = ids[i]
-		entries[i] = dedup.Entry{Group: c.cfg.Group, MessageID: ids[i], Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset}
-	}
-	claimed, err := c.inbox.ClaimMany(ctx, tx, c.cfg.Group, entries)
-	if err != nil {
-		return outs, err, true
-	}
 
 	var msgs []*Message // for the batch handler
 	failedKeys := make(map[string]bool)
