@@ -933,10 +933,11 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		res.err, res.infra = err, true
 		return res
 	}
+	committing := false
 	defer func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_ = tx.Rollback(rctx) // no-op after commit
+		if !committing {
+			rollback(ctx, tx)
+		}
 	}()
 	if !claimed {
 		res.duplicate = true
@@ -946,6 +947,7 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		res.err, res.infra = err, tx.Conn().IsClosed()
 		return res
 	}
+	committing = true // a failed Commit ends the transaction too
 	if err := tx.Commit(ctx); err != nil {
 		res.err, res.infra = fmt.Errorf("consumer: commit: %w", err), tx.Conn().IsClosed()
 		return res
@@ -1029,6 +1031,14 @@ func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo
 	}
 	span.End()
 	c.metrics.processDuration.Record(ctx, time.Since(start).Seconds(), c.metricAttrs(key))
+}
+
+// rollback ends a transaction that was not committed. It has a bound of its
+// own, as ctx may be what ended the attempt.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = tx.Rollback(rctx)
 }
 
 func callHandler(ctx context.Context, h Handler, tx pgx.Tx, msg *Message) (err error) {

@@ -235,10 +235,11 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 	if err != nil {
 		return outs, err, true
 	}
+	committing := false
 	defer func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_ = tx.Rollback(rctx) // no-op after commit
+		if !committing {
+			rollback(ctx, tx)
+		}
 	}()
 
 	var msgs []*Message // for the batch handler
@@ -294,6 +295,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 			return outs, err, tx.Conn().IsClosed()
 		}
 	}
+	committing = true // a failed Commit ends the transaction too
 	if err := tx.Commit(ctx); err != nil {
 		return outs, fmt.Errorf("consumer: commit: %w", err), tx.Conn().IsClosed()
 	}
