@@ -41,6 +41,7 @@ func uniqueName(prefix string) string {
 // table, with a pool whose search_path is the schema and whose tracer is the
 // mode's recorder.
 type db struct {
+	order    bool // -effect order: a primary key on effects, and balances
 	schema   string
 	pool     *pgxpool.Pool
 	rec      *recorder
@@ -59,13 +60,25 @@ const effectsTable = `CREATE TABLE effects (
 	off        bigint NOT NULL,
 	amount     bigint NOT NULL)`
 
+// The -effect values.
+const (
+	effectRow   = "row"
+	effectOrder = "order"
+)
+
+// orderTables turn the effect into the orderworker example's: the effect
+// row gets a primary key, as an orders table has, and every record adds its
+// amount to its key's balance.
+const orderTables = `ALTER TABLE effects ADD PRIMARY KEY (seq);
+	CREATE TABLE balances (key text PRIMARY KEY, amount bigint NOT NULL, records bigint NOT NULL)`
+
 // newDB creates a fresh schema for a mode and a pool of maxConns connections.
 func (e *env) newDB(ctx context.Context, mode string, maxConns int32) (*db, error) {
 	schema := uniqueName("bench_" + sqlIdent(mode))
 	if _, err := e.admin.Exec(ctx, "CREATE SCHEMA "+sqlident.Quote(schema)); err != nil {
 		return nil, fmt.Errorf("create schema: %w", err)
 	}
-	d := &db{schema: schema, rec: newRecorder()}
+	d := &db{schema: schema, rec: newRecorder(), order: e.opts.effect == effectOrder}
 	cfg, err := pgxpool.ParseConfig(e.dbURL)
 	if err != nil {
 		return nil, err
@@ -86,6 +99,9 @@ func (e *env) newDB(ctx context.Context, mode string, maxConns int32) (*db, erro
 	}
 	if err == nil {
 		_, err = d.pool.Exec(ctx, effectsTable)
+	}
+	if err == nil && d.order {
+		_, err = d.pool.Exec(ctx, orderTables)
 	}
 	if err == nil {
 		err = d.pool.Ping(ctx) // MinConns fills in the background; wait for one
@@ -123,6 +139,7 @@ func (d *db) close(ctx context.Context, admin *pgxpool.Pool) {
 // verification is what the database holds after a mode ran.
 type verification struct {
 	effects, distinct, outOfOrder, inbox int64
+	badBalances                          int64 // -effect order: keys whose balance is not their effects' sum
 }
 
 // verify checks that every one of want records has exactly one effect row,
@@ -138,6 +155,13 @@ func (d *db) verify(ctx context.Context, want int64, inbox, ordered bool) (verif
 	if err == nil && inbox {
 		err = d.pool.QueryRow(ctx, `SELECT count(*) FROM inbox`).Scan(&v.inbox)
 	}
+	if err == nil && d.order {
+		// Every key's balance is the sum of its effects' amounts, and
+		// counts them.
+		err = d.pool.QueryRow(ctx, `SELECT count(*) FROM balances b FULL JOIN
+			(SELECT key, sum(amount) AS amount, count(*) AS records FROM effects GROUP BY key) e USING (key)
+			WHERE b.amount IS DISTINCT FROM e.amount OR b.records IS DISTINCT FROM e.records`).Scan(&v.badBalances)
+	}
 	if err != nil {
 		return v, fmt.Errorf("verify: %w", err)
 	}
@@ -148,6 +172,8 @@ func (d *db) verify(ctx context.Context, want int64, inbox, ordered bool) (verif
 		return v, fmt.Errorf("verify: %d effect rows applied before an earlier record of their key", v.outOfOrder)
 	case inbox && v.inbox != want:
 		return v, fmt.Errorf("verify: %d inbox rows, want %d", v.inbox, want)
+	case v.badBalances != 0:
+		return v, fmt.Errorf("verify: %d keys whose balance is not the sum of their effects", v.badBalances)
 	}
 	return v, nil
 }
@@ -221,9 +247,24 @@ func (d *db) applyEffect(ctx context.Context, tx pgx.Tx, it item) error {
 	if _, err := tx.Exec(ctx, insertEffect, it.id, it.key, it.part, it.off, it.amount); err != nil {
 		return err
 	}
+	if d.order {
+		if _, err := tx.Exec(ctx, addToBalance, it.key, it.amount); err != nil {
+			return err
+		}
+	}
 	d.rec.note(tx.Conn(), it.sent)
 	return nil
 }
+
+// addToBalance is -effect order's second statement: the record's amount
+// added to its key's balance.
+const addToBalance = `INSERT INTO balances AS b (key, amount, records) VALUES ($1, $2, 1)
+	ON CONFLICT (key) DO UPDATE SET amount = b.amount + EXCLUDED.amount, records = b.records + 1`
+
+// addToBalances is addToBalance for many records in one statement.
+const addToBalances = `INSERT INTO balances AS b (key, amount, records)
+	SELECT key, sum(amount), count(*) FROM unnest($1::text[], $2::bigint[]) AS u(key, amount) GROUP BY key ORDER BY key
+	ON CONFLICT (key) DO UPDATE SET amount = b.amount + EXCLUDED.amount, records = b.records + EXCLUDED.records`
 
 // insertEffects is insertEffect for many rows in one statement.
 const insertEffects = `INSERT INTO effects (message_id, key, part, off, amount)
@@ -240,6 +281,11 @@ func (d *db) applyEffects(ctx context.Context, tx pgx.Tx, items []item) error {
 	}
 	if _, err := tx.Exec(ctx, insertEffects, ids, keys, parts, offs, amounts); err != nil {
 		return err
+	}
+	if d.order {
+		if _, err := tx.Exec(ctx, addToBalances, keys, amounts); err != nil {
+			return err
+		}
 	}
 	for _, it := range items {
 		d.rec.note(tx.Conn(), it.sent)

@@ -45,6 +45,8 @@ type options struct {
 
 	rssN int
 
+	effect string
+
 	rounds      int
 	compression string
 	timeout     time.Duration
@@ -99,7 +101,8 @@ func main() {
 	flag.Float64Var(&o.keyLatencyRate, "key-latency-rate", 50, "records/s of the per-key modes' latency phase")
 	flag.IntVar(&o.rssN, "rss-n", 1_000_000, "backlog records of the RSS mode (batch mode)")
 	flag.StringVar(&o.compression, "compression", "none", "codec the records are produced with (none, snappy, lz4, zstd, gzip); consumers pay its decompression")
-	flag.IntVar(&o.rounds, "rounds", 3, "rounds of every mode but rss; the table shows medians, the targets the median of each round's ratio")
+	flag.StringVar(&o.effect, "effect", effectRow, "what a record's handler writes: "+effectRow+" (one row in a table without indexes, the cheapest write there is) or "+effectOrder+" (as the orderworker example: an order row with a primary key, and an upsert of its key's balance)")
+	flag.IntVar(&o.rounds, "rounds", 5, "rounds of every mode but rss; the table shows medians, the targets the median of each round's ratio")
 	flag.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one phase of one mode")
 	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
 	flag.BoolVar(&o.progress, "progress", false, "print each second how many records have committed")
@@ -128,6 +131,9 @@ func run(ctx context.Context, o options) error {
 	if _, ok := compressions[o.compression]; !ok {
 		return fmt.Errorf("unknown -compression %q", o.compression)
 	}
+	if o.effect != effectRow && o.effect != effectOrder {
+		return fmt.Errorf("unknown -effect %q (%s or %s)", o.effect, effectRow, effectOrder)
+	}
 	modes := strings.Split(o.modes, ",")
 	for _, m := range modes {
 		if !slices.Contains(allModes, m) {
@@ -154,10 +160,10 @@ func run(ctx context.Context, o options) error {
 		runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, pgVersion)
 	fmt.Printf("flags: %s\n", strings.Join(os.Args[1:], " "))
 	fmt.Printf("settings: rounds=%d n=%d batch-n=%d batch-records-n=%d partitions=%d keys=%d conns=%d batch-size=%d "+
-		"latency=%d@%.0f/s key-n=%d key-seq-n=%d key-parallelism=%d key-sleep=%s key-latency=%d@%.0f/s rss-n=%d compression=%s\n",
+		"latency=%d@%.0f/s key-n=%d key-seq-n=%d key-parallelism=%d key-sleep=%s key-latency=%d@%.0f/s rss-n=%d compression=%s effect=%s\n",
 		o.rounds, o.n, o.batchN, o.batchRecsN, o.partitions, o.keys, o.conns, o.batchSize,
 		o.latencyRecords, o.latencyRate, o.keyN, o.keySeqN, o.keyParallelism, o.keySleep, o.keyLatencyRecords(), o.keyLatencyRate,
-		o.rssN, o.compression)
+		o.rssN, o.compression, o.effect)
 	fmt.Printf("load average at start: %s\n\n", loadAverage())
 
 	// Every mode but rss runs once per round; even rounds run the modes in
