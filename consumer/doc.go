@@ -9,7 +9,9 @@
 //
 //  1. BEGIN a Postgres transaction.
 //  2. INSERT the record's dedup id into the inbox (package dedup) with ON
-//     CONFLICT DO NOTHING. This is the first statement of the transaction.
+//     CONFLICT DO NOTHING. This is the first statement of the transaction;
+//     it goes to Postgres with the BEGIN, in one round trip
+//     (dedup.Inbox.BeginClaim).
 //  3. If the id was already there, the record is a duplicate: roll back and
 //     skip the handler. Otherwise run the Handler with the transaction.
 //  4. COMMIT. The inbox row and the handler's writes commit together.

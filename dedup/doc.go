@@ -23,6 +23,14 @@
 // [Inbox.ClaimMany] does the same for many ids in one statement (unnest + ON
 // CONFLICT DO NOTHING RETURNING), for batched transactions.
 //
+// [Inbox.BeginClaim] and [Inbox.BeginClaimMany] begin the transaction
+// themselves, on a connection from a pgxpool.Pool, and send BEGIN and the
+// claim in one pipelined round trip: a transaction per record then takes as
+// many round trips as one without an inbox (BEGIN with the claim, the
+// handler's statements, COMMIT). The transaction they return is a pgx.Tx
+// like pgx's own (nested Begin makes a savepoint; Commit or Rollback gives
+// the connection back to the pool); the oncely consumer uses them.
+//
 // # Retention
 //
 // Rows cannot be kept forever, and a row deleted too early lets a late
