@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -949,7 +950,7 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 	}
 	committing = true // a failed Commit ends the transaction too
 	if err := tx.Commit(ctx); err != nil {
-		res.err, res.infra = fmt.Errorf("consumer: commit: %w", err), tx.Conn().IsClosed()
+		res.err, res.infra = fmt.Errorf("consumer: commit: %w", err), connectionFailed(err)
 		return res
 	}
 	return res
@@ -1031,6 +1032,16 @@ func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo
 	}
 	span.End()
 	c.metrics.processDuration.Record(ctx, time.Since(start).Seconds(), c.metricAttrs(key))
+}
+
+// connectionFailed reports whether a failed COMMIT lost its connection, as
+// opposed to Postgres refusing the transaction (a deferred constraint, a
+// serialization failure), which is the handler's to answer for. It reads
+// the error, not the connection: that went back to the pool with Commit and
+// may already serve another transaction.
+func connectionFailed(err error) bool {
+	var pgErr *pgconn.PgError
+	return !errors.As(err, &pgErr) || pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC"
 }
 
 // rollback ends a transaction that was not committed. It has a bound of its

@@ -297,7 +297,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 	}
 	committing = true // a failed Commit ends the transaction too
 	if err := tx.Commit(ctx); err != nil {
-		return outs, fmt.Errorf("consumer: commit: %w", err), tx.Conn().IsClosed()
+		return outs, fmt.Errorf("consumer: commit: %w", err), connectionFailed(err)
 	}
 	return outs, nil, false
 }

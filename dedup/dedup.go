@@ -5,12 +5,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/oncely/oncely/internal/pgtx"
 	"github.com/oncely/oncely/internal/sqlident"
 )
 
@@ -141,17 +141,18 @@ func (in *Inbox) Claim(ctx context.Context, tx DBTX, e Entry) (bool, error) {
 
 // BeginClaim begins a transaction on a connection from pool with e's claim
 // as its first statement, and reports whether the claim is new, as Claim
-// does. BEGIN and the claim go to Postgres in one round trip, where
-// pool.Begin followed by Claim takes two. The transaction is open either
-// way; the caller commits or rolls it back, which returns its connection to
-// the pool. On error there is no transaction.
+// does. BEGIN and the claim go to Postgres in one round trip (pgx's
+// Batch.BeginTx), where pool.Begin followed by Claim takes two. The
+// transaction is open either way; the caller commits or rolls it back,
+// which returns its connection to the pool. On error there is no
+// transaction.
 func (in *Inbox) BeginClaim(ctx context.Context, pool *pgxpool.Pool, e Entry) (pgx.Tx, bool, error) {
 	sql, args, err := in.claimArgs(e)
 	if err != nil {
 		return nil, false, err
 	}
 	var claimed bool
-	tx, err := pgtx.Begin(ctx, pool, func(b *pgx.Batch) {
+	tx, err := beginWith(ctx, pool, func(b *pgx.Batch) {
 		b.Queue(sql, args...).Exec(func(tag pgconn.CommandTag) error {
 			claimed = tag.RowsAffected() == 1
 			return nil
@@ -161,6 +162,25 @@ func (in *Inbox) BeginClaim(ctx context.Context, pool *pgxpool.Pool, e Entry) (p
 		return nil, false, fmt.Errorf("dedup: begin and claim %q: %w", e.MessageID, err)
 	}
 	return tx, claimed, nil
+}
+
+// beginWith begins a transaction on a connection from pool and runs the
+// statements queue adds as its first, all in one round trip. If any of
+// them fails, the transaction is rolled back and the connection freed.
+func beginWith(ctx context.Context, pool *pgxpool.Pool, queue func(*pgx.Batch)) (pgx.Tx, error) {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	queue(b)
+	br := pool.SendBatch(ctx, b)
+	tx := br.Tx()
+	if err := br.Close(); err != nil {
+		// Bounded on its own: ctx may be what failed.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = tx.Rollback(rctx) // ends the transaction if BEGIN got through, and frees the connection
+		return nil, err
+	}
+	return tx, nil
 }
 
 func (in *Inbox) claimArgs(e Entry) (string, []any, error) {
@@ -189,7 +209,11 @@ func (in *Inbox) ClaimMany(ctx context.Context, tx DBTX, group string, entries [
 	if err != nil {
 		return nil, fmt.Errorf("dedup: claim many: %w", err)
 	}
-	return claimedOf(rows, args[1].([]string))
+	claimed, err := claimedOf(rows, args[1].([]string))
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim many: %w", err)
+	}
+	return claimed, nil
 }
 
 // BeginClaimMany is ClaimMany as the first statement of a transaction it
@@ -201,7 +225,7 @@ func (in *Inbox) BeginClaimMany(ctx context.Context, pool *pgxpool.Pool, group s
 		return nil, nil, err
 	}
 	claimed := make([]bool, len(entries))
-	tx, err := pgtx.Begin(ctx, pool, func(b *pgx.Batch) {
+	tx, err := beginWith(ctx, pool, func(b *pgx.Batch) {
 		if len(entries) == 0 {
 			return
 		}
@@ -246,7 +270,7 @@ func claimedOf(rows pgx.Rows, ids []string) ([]bool, error) {
 	fresh := make(map[string]bool, len(ids))
 	var id string
 	if _, err := pgx.ForEachRow(rows, []any{&id}, func() error { fresh[id] = true; return nil }); err != nil {
-		return nil, fmt.Errorf("dedup: claim many: %w", err)
+		return nil, err
 	}
 	claimed := make([]bool, len(ids))
 	for i, id := range ids {

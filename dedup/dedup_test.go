@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncely/oncely/dedup"
@@ -371,6 +372,133 @@ func TestBeginClaimMany(t *testing.T) {
 	}
 	if n := db.Pool.Stat().AcquiredConns(); n != 0 {
 		t.Fatalf("%d connections still acquired", n)
+	}
+}
+
+// wire records the SQL of every query and batch a pool's connections send,
+// one entry per round trip.
+type wire struct {
+	mu    sync.Mutex
+	trips []string
+}
+
+func (w *wire) add(sql string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.trips = append(w.trips, sql)
+}
+
+func (w *wire) take() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	t := w.trips
+	w.trips = nil
+	return t
+}
+
+func (w *wire) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	w.add(d.SQL)
+	return ctx
+}
+func (w *wire) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (w *wire) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	var sqls []string
+	for _, q := range d.Batch.QueuedQueries {
+		sqls = append(sqls, strings.Join(strings.Fields(q.SQL), " "))
+	}
+	w.add("batch: " + strings.Join(sqls, "; "))
+	return ctx
+}
+func (w *wire) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (w *wire) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// tracedPool is a pool on db's schema whose round trips w records.
+func tracedPool(t *testing.T, ctx context.Context, db *testenv.DB, w *wire) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = db.Schema
+	cfg.ConnConfig.Tracer = w
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// TestBeginClaimIsOneRoundTrip checks that BEGIN and the claim reach
+// Postgres together, and that the connection goes back to the pool when
+// the transaction ends.
+func TestBeginClaimIsOneRoundTrip(t *testing.T) {
+	t.Parallel()
+	db, in, ctx := setup(t)
+	w := &wire{}
+	pool := tracedPool(t, ctx, db, w)
+	tx, claimed, err := in.BeginClaim(ctx, pool, dedup.Entry{Group: "g", MessageID: "m"})
+	if err != nil || !claimed {
+		t.Fatalf("BeginClaim = %v, %v", claimed, err)
+	}
+	trips := w.take()
+	if len(trips) != 1 || !strings.HasPrefix(trips[0], "batch: begin; INSERT INTO ") || !strings.Contains(trips[0], "ON CONFLICT") {
+		t.Fatalf("BeginClaim's round trips = %q, want one batch of BEGIN and the claim", trips)
+	}
+	if s := tx.Conn().PgConn().TxStatus(); s != 'T' {
+		t.Fatalf("transaction status %q after BeginClaim, want T", s)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := pool.Stat().AcquiredConns(); n != 0 {
+		t.Fatalf("%d connections acquired after Commit", n)
+	}
+}
+
+// TestBeginClaimFailureLeavesNothing checks that a claim that fails inside
+// BeginClaim's round trip rolls back, frees its connection, and leaves it
+// usable; and that a cancelled context claims nothing.
+func TestBeginClaimFailureLeavesNothing(t *testing.T) {
+	t.Parallel()
+	db, in, ctx := setup(t)
+	pool := tracedPool(t, ctx, db, &wire{})
+	// An inbox in a schema that has no inbox table: BEGIN succeeds, the claim fails.
+	missing, err := dedup.New(dedup.Config{Schema: "no_such_schema"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 * pool.Config().MaxConns {
+		tx, _, err := missing.BeginClaim(ctx, pool, dedup.Entry{Group: "g", MessageID: "m"})
+		var pgErr *pgconn.PgError
+		if tx != nil || !errors.As(err, &pgErr) || pgErr.Code != "42P01" {
+			t.Fatalf("BeginClaim without an inbox table = %v, %v; want no transaction and undefined_table", tx, err)
+		}
+		if _, _, err := missing.BeginClaimMany(ctx, pool, "g", []dedup.Entry{{MessageID: "m"}}); !errors.As(err, &pgErr) {
+			t.Fatalf("BeginClaimMany without an inbox table = %v, want undefined_table", err)
+		}
+	}
+	if n := pool.Stat().AcquiredConns(); n != 0 {
+		t.Fatalf("%d connections acquired after failed claims", n)
+	}
+	// The connections came back outside any transaction: claims on them work.
+	for i := range 2 * pool.Config().MaxConns {
+		tx, claimed, err := in.BeginClaim(ctx, pool, dedup.Entry{Group: "g", MessageID: fmt.Sprint("m-", i)})
+		if err != nil || !claimed {
+			t.Fatalf("BeginClaim after failures = %v, %v", claimed, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatalf("commit on a reused connection: %v", err)
+		}
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if tx, _, err := in.BeginClaim(cctx, pool, dedup.Entry{Group: "g", MessageID: "cancelled"}); tx != nil || !errors.Is(err, context.Canceled) {
+		t.Fatalf("BeginClaim with a cancelled context = %v, %v", tx, err)
+	}
+	if n := inboxCount(t, ctx, db, ""); n != int(2*pool.Config().MaxConns) {
+		t.Fatalf("inbox has %d rows, want %d", n, 2*pool.Config().MaxConns)
 	}
 }
 

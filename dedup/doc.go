@@ -25,11 +25,11 @@
 //
 // [Inbox.BeginClaim] and [Inbox.BeginClaimMany] begin the transaction
 // themselves, on a connection from a pgxpool.Pool, and send BEGIN and the
-// claim in one pipelined round trip: a transaction per record then takes as
-// many round trips as one without an inbox (BEGIN with the claim, the
-// handler's statements, COMMIT). The transaction they return is a pgx.Tx
-// like pgx's own (nested Begin makes a savepoint; Commit or Rollback gives
-// the connection back to the pool); the oncely consumer uses them.
+// claim in one round trip (pgx's Batch.BeginTx): a transaction per record
+// then takes as many round trips as one without an inbox (BEGIN with the
+// claim, the handler's statements, COMMIT). The transaction they return is
+// pgx's own; Commit or Rollback gives the connection back to the pool. The
+// oncely consumer uses them.
 //
 // # Retention
 //
