@@ -759,7 +759,9 @@ func (f *failure) fail(res result) {
 	if f.first.IsZero() {
 		f.first = now
 	}
-	f.last, f.err, f.span, f.traceparent, f.tracestate = now, res.err, res.spanContext, res.traceparent, res.tracestate
+	f.last, f.err, f.span = now, res.err, res.spanContext
+	// The W3C form, for the dead-letter record, is built only for failures.
+	f.traceparent, f.tracestate = telemetry.TraceContext(trace.ContextWithSpanContext(context.Background(), res.spanContext))
 	f.attempts++
 }
 
@@ -904,8 +906,7 @@ type result struct {
 	err       error
 	infra     bool // the database, not the handler, failed
 
-	spanContext             trace.SpanContext // the attempt's span
-	traceparent, tracestate string            // its W3C form
+	spanContext trace.SpanContext // the attempt's span
 }
 
 // attempt is the record path: one transaction whose first statement claims
@@ -919,7 +920,6 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 	ctx, span := c.startProcessSpan(ctx, rec, id, attempt)
 	defer func() { c.endProcessSpan(ctx, span, rec, start, res) }()
 	res.spanContext = span.SpanContext()
-	res.traceparent, res.tracestate = telemetry.TraceContext(ctx)
 	if idErr != nil {
 		res.id, res.err = id, dlq.Undecodable(idErr)
 		return res

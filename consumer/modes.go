@@ -9,7 +9,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/dedup"
-	"github.com/oncely/oncely/internal/telemetry"
 )
 
 // pop takes the next buffered record without waiting, resuming the
@@ -221,7 +220,6 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		sctx, sp := c.startProcessSpan(ctx, recs[i], ids[i], 1)
 		spans = append(spans, span{i, sctx, sp})
 		outs[i].spanContext = sp.SpanContext()
-		outs[i].traceparent, outs[i].tracestate = telemetry.TraceContext(sctx)
 		return sctx
 	}
 
