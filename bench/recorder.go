@@ -44,15 +44,31 @@ func (r *recorder) arm() { r.armed.Store(true) }
 // TraceQueryStart notes the first statement once armed, and marks the
 // statements that end a transaction.
 func (r *recorder) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	if r.armed.Load() && r.firstTx.Load() == 0 {
-		r.firstTx.CompareAndSwap(0, time.Now().UnixNano())
-	}
+	r.noteStart()
 	switch data.SQL {
 	case "commit", "rollback":
 		return context.WithValue(ctx, txEndKey{}, data.SQL)
 	}
 	return ctx
 }
+
+// noteStart notes the first statement once armed.
+func (r *recorder) noteStart() {
+	if r.armed.Load() && r.firstTx.Load() == 0 {
+		r.firstTx.CompareAndSwap(0, time.Now().UnixNano())
+	}
+}
+
+// TraceBatchStart notes the first statement once armed, for a transaction
+// that begins in a batch (the consumer sends BEGIN and its inbox claim as
+// one).
+func (r *recorder) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	r.noteStart()
+	return ctx
+}
+
+func (r *recorder) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (r *recorder) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
 // TraceQueryEnd settles the connection's noted records when its transaction
 // ends. A commit that Postgres turned into a rollback (the transaction had
