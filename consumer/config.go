@@ -88,6 +88,24 @@ type Config struct {
 	// the commit: use BatchSize for those. The two cannot be combined.
 	// Default 1: a partition's records one after another.
 	KeyParallelism int
+	// ConflictKeys names the rows a message's handler will write that other
+	// messages' handlers may write too: the customer whose balance an order
+	// updates, say, when orders are keyed by order id. Before any handler
+	// runs, a transaction takes one advisory lock per key (pg_advisory_xact_lock
+	// of a hash of it), all in ascending order and in the round trip that
+	// begins it; a batch takes the keys of all its records at once.
+	// Transactions that share a key, of this member or any other, then take
+	// turns instead of deadlocking: Postgres never has a cycle to break,
+	// whatever order the handlers write their rows in. Keys are free-form
+	// strings; use a prefix per kind of row ("customer:42"). A message whose
+	// value does not decode may return nil: its handler will say so.
+	//
+	// Without it, handlers that write shared rows in differing orders can
+	// deadlock; Postgres fails one of them after deadlock_timeout (1s by
+	// default) and the record runs again (see Stats.Contention), so nothing is
+	// lost or dead-lettered, but the seconds are lost. Default: none.
+	ConflictKeys func(msg *Message) []string
+
 	// Concurrency bounds the transactions in flight across all partitions
 	// and keys; records wait for a slot rather than for a pool connection.
 	// Default: the Pool's MaxConns.

@@ -49,6 +49,7 @@ type Consumer struct {
 
 	processed, duplicates, retries, commits, held atomic.Int64
 	deadLettered, deadLetterErrs, batches         atomic.Int64
+	contention                                    atomic.Int64
 }
 
 // New validates cfg and returns a Consumer. Errors name the offending field
@@ -71,7 +72,10 @@ func New(cfg Config) (*Consumer, error) {
 	if handler == nil {
 		bh := cfg.BatchHandler
 		handler = func(ctx context.Context, tx pgx.Tx, msg *Message) error {
-			return bh(ctx, tx, []*Message{msg})
+			if err := bh(ctx, tx, []*Message{msg}); err != nil {
+				return err
+			}
+			return msg.failed
 		}
 	}
 	return &Consumer{
@@ -96,6 +100,7 @@ func (c *Consumer) Stats() Stats {
 		OffsetCommits:  c.commits.Load(),
 		Batches:        c.batches.Load(),
 		PartitionsHeld: c.held.Load(),
+		Contention:     c.contention.Load(),
 	}
 }
 
@@ -126,6 +131,9 @@ type run struct {
 
 	commitMu sync.Mutex // serializes offset commits with revocation
 	crashed  atomic.Bool
+	started  time.Time
+	// committed: a record of this run has committed (logged once).
+	committed atomic.Bool
 	// stopBy is the shutdown deadline (unix nanoseconds) once Run is
 	// stopping; revocations from then on are bounded by it, so that closing
 	// the client never outlives Run by more than a moment.
@@ -154,6 +162,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		workCtx:    workCtx,
 		workers:    make(map[tp]*worker),
 		slots:      make(chan struct{}, c.cfg.Concurrency),
+		started:    time.Now(),
 	}
 
 	opts := []kgo.Opt{
@@ -237,6 +246,20 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 	c.cfg.Logger.Info("oncely consumer stopped", "group", c.cfg.Group)
 	return nil
+}
+
+// firstCommit logs the first record this run committed, once: how long a
+// started (or restarted) member takes to do useful work.
+func (r *run) firstCommit() {
+	if r.committed.CompareAndSwap(false, true) {
+		r.c.cfg.Logger.Info("oncely first record committed", "group", r.c.cfg.Group, "since_start", time.Since(r.started))
+	}
+}
+
+// contended counts n records whose transaction lost to contention.
+func (c *Consumer) contended(ctx context.Context, rec *kgo.Record, n int) {
+	c.contention.Add(int64(n))
+	c.metrics.contention.Add(ctx, int64(n), c.topicAttrs(rec))
 }
 
 // fail records the first fatal error and stops the poll loop.
@@ -692,6 +715,7 @@ func (w *worker) process(rec *kgo.Record) bool {
 func (w *worker) retry(rec *kgo.Record, prior *result) bool {
 	c := w.r.c
 	var f failure
+	contended := 0
 	for n := 1; ; n++ {
 		var res result
 		if n == 1 && prior != nil {
@@ -711,10 +735,21 @@ func (w *worker) retry(rec *kgo.Record, prior *result) bool {
 				c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
 			} else {
 				c.processed.Add(1)
+				w.r.firstCommit()
 			}
 			return w.hook(w.r.hooks.AfterCommit, rec)
 		case w.ctx.Err() != nil:
 			return false // abandoned: the transaction rolled back
+		case res.contention:
+			// Lost to another transaction: not the record's fault. Again,
+			// soon, attempts unspent.
+			w.databaseDown(false)
+			contended++
+			c.contended(w.ctx, rec, 1)
+			if !w.sleep(contentionBackoff.Delay(contended)) {
+				return false
+			}
+			continue
 		case res.infra:
 			w.databaseDown(true)
 		default:
@@ -905,6 +940,9 @@ type result struct {
 	deferred  bool // batch mode: not run, an earlier record with its key failed
 	err       error
 	infra     bool // the database, not the handler, failed
+	// contention: the transaction lost to another (deadlock, serialization
+	// failure, lock timeout); retried without spending an attempt.
+	contention bool
 
 	spanContext trace.SpanContext // the attempt's span
 }
@@ -925,13 +963,21 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		return res
 	}
 	res.id = id
-	// BEGIN and the claim travel in one round trip.
+	msg := newMessage(rec, id, attempt)
+	msg.ctx = ctx
+	locks, err := c.conflictKeys(nil, msg)
+	if err != nil {
+		res.err = err
+		return res
+	}
+	// BEGIN, the claim and the conflict locks travel in one round trip.
 	tx, claimed, err := c.inbox.BeginClaim(ctx, c.cfg.Pool, dedup.Entry{
 		Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
 		Redrive: isRedrive(rec),
-	})
+	}, conflictLocks(locks)...)
 	if err != nil {
-		res.err, res.infra = err, true
+		res.err, res.contention = err, isContention(err)
+		res.infra = !res.contention
 		return res
 	}
 	committing := false
@@ -944,13 +990,13 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		res.duplicate = true
 		return res
 	}
-	if err := callHandler(ctx, c.handler, tx, newMessage(rec, id, attempt)); err != nil {
-		res.err, res.infra = err, tx.Conn().IsClosed()
+	if err := callHandler(ctx, c.handler, tx, msg); err != nil {
+		res.err, res.infra, res.contention = err, tx.Conn().IsClosed(), isContention(err)
 		return res
 	}
 	committing = true // a failed Commit ends the transaction too
 	if err := tx.Commit(ctx); err != nil {
-		res.err, res.infra = fmt.Errorf("consumer: commit: %w", err), connectionFailed(err)
+		res.err, res.infra, res.contention = fmt.Errorf("consumer: commit: %w", err), connectionFailed(err), isContention(err)
 		return res
 	}
 	return res
@@ -1018,6 +1064,8 @@ func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo
 		switch {
 		case res.infra:
 			kind = "database"
+		case res.contention:
+			kind = "contention"
 		case errors.As(res.err, new(*PanicError)):
 			kind = "panic"
 		default:

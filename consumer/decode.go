@@ -29,11 +29,17 @@ func Decoded[T any](decode func(value []byte) (T, error), h TypedHandler[T]) Han
 // JSON is Decoded with encoding/json. Unknown fields are an error, so a
 // record of another schema is dead-lettered rather than half-read.
 func JSON[T any](h TypedHandler[T]) Handler {
-	return Decoded(func(value []byte) (T, error) {
-		var v T
-		dec := json.NewDecoder(bytes.NewReader(value))
-		dec.DisallowUnknownFields()
-		err := dec.Decode(&v)
-		return v, err
-	}, h)
+	return Decoded(DecodeJSON[T], h)
+}
+
+// DecodeJSON decodes value into a T as JSON does: unknown fields are an
+// error. For BatchHandlers and ConflictKeys functions, which decode values
+// themselves; mark its error dlq.Undecodable (Message.Fail) to dead-letter
+// the message at once.
+func DecodeJSON[T any](value []byte) (T, error) {
+	var v T
+	dec := json.NewDecoder(bytes.NewReader(value))
+	dec.DisallowUnknownFields()
+	err := dec.Decode(&v)
+	return v, err
 }

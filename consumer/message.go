@@ -1,6 +1,8 @@
 package consumer
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -22,6 +24,35 @@ type Message struct {
 	Attempt int
 	// Record is the underlying franz-go record. Do not modify it.
 	Record *kgo.Record
+
+	ctx    context.Context // carries the attempt's process span
+	failed error           // set by Fail
+}
+
+// Context returns a context that carries the message's own "process" span,
+// for what a BatchHandler does for this message alone: an outbox message
+// enqueued with it (outbox.Message.Context) continues the message's trace.
+// A Handler's ctx is that context already.
+func (m *Message) Context() context.Context {
+	if m.ctx == nil {
+		return context.Background()
+	}
+	return m.ctx
+}
+
+// Fail marks the message failed with err, from a BatchHandler that wrote
+// none of its effects: the batch commits without it (its inbox claim is
+// released in the same transaction), and the message is retried or
+// dead-lettered alone, on the record path, as if a Handler had returned err
+// (dlq.Permanent and dlq.Undecodable dead-letter it at once). It lets a
+// batch handler set aside a poison message without failing the batch. A
+// later message with the same key in the batch is not held back: fail it
+// too where per-key order matters. Outside a BatchHandler it does nothing.
+func (m *Message) Fail(err error) {
+	if err == nil {
+		err = errors.New("consumer: message failed by its batch handler")
+	}
+	m.failed = err
 }
 
 func newMessage(rec *kgo.Record, id string, attempt int) *Message {
@@ -60,4 +91,8 @@ type Stats struct {
 	OffsetCommits  int64 // successful offset commit requests
 	Batches        int64 // batch transactions committed (batch mode)
 	PartitionsHeld int64 // partitions with a live worker right now
+	// Contention counts records whose transaction lost to another one
+	// (deadlock, serialization failure, lock timeout) and ran again; they
+	// spend no attempt and are never dead-lettered for it.
+	Contention int64
 }

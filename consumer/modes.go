@@ -86,28 +86,31 @@ func (w *worker) nextBatch(batch []*kgo.Record, size int) ([]*kgo.Record, bool) 
 
 // processBatch processes recs in offset order and marks their offsets.
 // Records that cannot join a batch (oversized, an undecodable id, a
-// redrive) take the record path in their place; the others share
-// transactions.
+// redrive, conflict keys that panicked) take the record path in their
+// place; the others share transactions.
 func (w *worker) processBatch(recs []*kgo.Record) bool {
 	c := w.r.c
-	seg, ids := make([]*kgo.Record, 0, len(recs)), make([]string, 0, len(recs))
+	var b batch
 	flush := func() bool {
-		if len(seg) == 0 {
+		if len(b.recs) == 0 {
 			return true
 		}
-		if !w.runBatch(seg, ids) {
+		if !w.runBatch(&b) {
 			return false
 		}
-		w.markDone(seg[len(seg)-1])
-		seg, ids = seg[:0], ids[:0]
+		w.markDone(b.recs[len(b.recs)-1])
+		b.reset()
 		return true
 	}
 	for _, rec := range recs {
 		id, err := c.messageID(rec)
 		alone := err != nil || isRedrive(rec) || (c.cfg.MaxRecordBytes > 0 && recordSize(rec) > c.cfg.MaxRecordBytes)
 		if !alone {
-			seg, ids = append(seg, rec), append(ids, id)
-			continue
+			msg := newMessage(rec, id, 1)
+			if locks, err := c.conflictKeys(b.locks, msg); err == nil {
+				b.recs, b.ids, b.msgs, b.locks = append(b.recs, rec), append(b.ids, id), append(b.msgs, msg), locks
+				continue
+			}
 		}
 		if !flush() || !w.process(rec) {
 			return false
@@ -117,21 +120,49 @@ func (w *worker) processBatch(recs []*kgo.Record) bool {
 	return flush()
 }
 
-// runBatch processes recs in one transaction, retrying it while the database
-// is unreachable. Records whose handler failed in it (and records after them
-// with the same key) are then processed on the record path, in order.
-func (w *worker) runBatch(recs []*kgo.Record, ids []string) bool {
+// batch is the records of one batch transaction, their ids and messages,
+// and the lock ids of their conflict keys.
+type batch struct {
+	recs  []*kgo.Record
+	ids   []string
+	msgs  []*Message
+	locks []int64
+}
+
+func (b *batch) reset() {
+	b.recs, b.ids, b.msgs, b.locks = b.recs[:0], b.ids[:0], b.msgs[:0], b.locks[:0]
+}
+
+// runBatch processes b in one transaction, retrying it while the database
+// is unreachable or the transaction lost to contention. Records whose
+// handler failed in it (and records after them with the same key) are then
+// processed on the record path, in order.
+func (w *worker) runBatch(b *batch) bool {
 	c := w.r.c
-	for n := 1; ; n++ {
+	recs := b.recs
+	for n, contended := 1, 0; ; n++ {
 		if !w.acquire() {
 			return false
 		}
-		outs, err, infra := c.attemptBatch(w.ctx, recs, ids)
+		outs, err, infra := c.attemptBatch(w.ctx, recs, b.ids, b.msgs, b.locks)
 		w.release()
 		switch {
 		case err == nil:
 		case w.ctx.Err() != nil:
 			return false // abandoned: the transaction rolled back
+		case isContention(err):
+			// The batch lost to another transaction as a whole (its batch
+			// handler or its commit): run it again, soon, attempts unspent.
+			w.databaseDown(false)
+			contended++
+			c.contended(w.ctx, recs[0], len(recs))
+			delay := contentionBackoff.Delay(contended)
+			c.cfg.Logger.Debug("oncely batch lost to contention; retrying", "topic", recs[0].Topic,
+				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "delay", delay, "err", err)
+			if !w.sleep(delay) {
+				return false
+			}
+			continue
 		case infra:
 			w.databaseDown(true)
 			c.retries.Add(1)
@@ -158,6 +189,7 @@ func (w *worker) runBatch(recs []*kgo.Record, ids []string) bool {
 		}
 		w.databaseDown(false)
 		c.batches.Add(1)
+		committed := false
 		for i, rec := range recs {
 			switch o := &outs[i]; {
 			case o.deferred || o.err != nil:
@@ -167,10 +199,14 @@ func (w *worker) runBatch(recs []*kgo.Record, ids []string) bool {
 				c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
 			default:
 				c.processed.Add(1)
+				committed = true
 			}
 			if !w.hook(w.r.hooks.AfterCommit, rec) {
 				return false
 			}
+		}
+		if committed {
+			w.r.firstCommit()
 		}
 		for i, rec := range recs {
 			o := &outs[i]
@@ -188,17 +224,15 @@ func (w *worker) runBatch(recs []*kgo.Record, ids []string) bool {
 	}
 }
 
-// savepoint is taken before each record's handler in a batch transaction.
-const savepoint = "oncely_record"
-
 // attemptBatch runs one batch transaction: a multi-row inbox claim first,
+// with the conflict-key locks of the batch's records in the same round trip,
 // then the handler for each new record under a savepoint of its own (or the
 // batch handler once), then commit. outs, aligned with recs, tell each
 // record's fate: a duplicate; deferred (not run, because an earlier record
 // with its key failed); failed (err set: its effects and claim were rolled
 // back to its savepoint); or committed. A non-nil err means the whole
 // transaction rolled back; infra tells a database failure from a handler's.
-func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []string) (outs []result, err error, infra bool) {
+func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []string, msgs []*Message, locks []int64) (outs []result, err error, infra bool) {
 	start := time.Now()
 	outs = make([]result, len(recs))
 	type span struct {
@@ -211,7 +245,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		for _, s := range spans {
 			res := outs[s.i]
 			if err != nil && res.err == nil {
-				res.err, res.infra = err, infra
+				res.err, res.infra, res.contention = err, infra, isContention(err)
 			}
 			c.endProcessSpan(s.ctx, s.span, recs[s.i], start, res)
 		}
@@ -220,6 +254,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		sctx, sp := c.startProcessSpan(ctx, recs[i], ids[i], 1)
 		spans = append(spans, span{i, sctx, sp})
 		outs[i].spanContext = sp.SpanContext()
+		msgs[i].ctx = sctx
 		return sctx
 	}
 
@@ -228,10 +263,10 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		outs[i].id = ids[i]
 		entries[i] = dedup.Entry{Group: c.cfg.Group, MessageID: ids[i], Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset}
 	}
-	// BEGIN and the batch's claim travel in one round trip.
-	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries)
+	// BEGIN, the batch's claim and its conflict locks travel in one round trip.
+	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries, conflictLocks(locks)...)
 	if err != nil {
-		return outs, err, true
+		return outs, err, !isContention(err)
 	}
 	committing := false
 	defer func() {
@@ -240,9 +275,10 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		}
 	}()
 
-	var msgs []*Message // for the batch handler
+	var batch []*Message // for the batch handler
+	var batchIdx []int   // their indexes in recs
 	failedKeys := make(map[string]bool)
-	inSavepoint := false
+	rtx := &recordTx{Tx: tx}
 	for i, rec := range recs {
 		switch {
 		case !claimed[i]:
@@ -257,40 +293,49 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 			continue
 		}
 		sctx := startSpan(i)
-		msg := newMessage(rec, ids[i], 1)
 		if c.cfg.BatchHandler != nil {
-			msgs = append(msgs, msg)
+			msgs[i].failed = nil
+			batch, batchIdx = append(batch, msgs[i]), append(batchIdx, i)
 			continue
 		}
-		// One round trip ends the previous record's savepoint and opens
-		// this one's (simple protocol: no arguments).
-		sp := "SAVEPOINT " + savepoint
-		if inSavepoint {
-			sp = "RELEASE SAVEPOINT " + savepoint + "; " + sp
+		rtx.next()
+		herr := callHandler(sctx, c.handler, rtx, msgs[i])
+		if rtx.err != nil {
+			return outs, rtx.err, true
 		}
-		if _, err := tx.Exec(ctx, sp); err != nil {
-			return outs, fmt.Errorf("consumer: savepoint: %w", err), true
-		}
-		inSavepoint = true
-		herr := callHandler(sctx, c.handler, tx, msg)
 		if herr == nil {
 			continue
 		}
 		if tx.Conn().IsClosed() {
 			return outs, herr, true
 		}
-		if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {
-			return outs, fmt.Errorf("consumer: rollback to savepoint: %w", err), true
+		if rtx.taken {
+			if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {
+				return outs, fmt.Errorf("consumer: rollback to savepoint: %w", err), true
+			}
 		}
+		rtx.done()
 		if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
 			return outs, err, true
 		}
-		outs[i].err = herr
+		outs[i].err, outs[i].contention = herr, isContention(herr)
 		failedKeys[string(rec.Key)] = true
 	}
-	if len(msgs) > 0 {
-		if err := callBatchHandler(ctx, c.cfg.BatchHandler, tx, msgs); err != nil {
+	if len(batch) > 0 {
+		if err := callBatchHandler(ctx, c.cfg.BatchHandler, tx, batch); err != nil {
 			return outs, err, tx.Conn().IsClosed()
+		}
+		// Messages the batch handler failed leave the batch: their claims
+		// are released, and they go on to the record path.
+		for j, msg := range batch {
+			if msg.failed == nil {
+				continue
+			}
+			i := batchIdx[j]
+			if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
+				return outs, err, true
+			}
+			outs[i].err, outs[i].contention = msg.failed, isContention(msg.failed)
 		}
 	}
 	committing = true // a failed Commit ends the transaction too

@@ -21,6 +21,7 @@ type instruments struct {
 	sent            metric.Int64Counter     // messaging.client.sent.messages (dead-letter produces)
 	duplicates      metric.Int64Counter
 	retries         metric.Int64Counter
+	contention      metric.Int64Counter
 	deadLettered    metric.Int64Counter
 	commitLag       metric.Int64ObservableGauge
 	inboxRows       metric.Int64ObservableGauge
@@ -46,6 +47,9 @@ func newInstruments(m metric.Meter, cfg *Config) (*instruments, error) {
 	add(err)
 	in.retries, err = m.Int64Counter("oncely.consumer.retries", metric.WithUnit("{attempt}"),
 		metric.WithDescription("Failed attempts that were retried."))
+	add(err)
+	in.contention, err = m.Int64Counter("oncely.consumer.contention", metric.WithUnit("{message}"),
+		metric.WithDescription("Records whose transaction lost to another (deadlock, serialization failure, lock timeout) and ran again without spending an attempt."))
 	add(err)
 	in.deadLettered, err = m.Int64Counter("oncely.consumer.dead_lettered", metric.WithUnit("{message}"),
 		metric.WithDescription("Records written to a dead-letter topic."))

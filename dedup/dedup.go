@@ -86,6 +86,7 @@ func New(cfg Config) (*Inbox, error) {
 		claimMany: `INSERT INTO ` + t + ` (consumer_group, message_id, topic, partition, "offset", outcome)
 			SELECT $1, u.id, u.topic, u.part, u.off, u.outcome
 			FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[]) AS u(id, topic, part, off, outcome)
+			ORDER BY u.id -- two batches claiming overlapping ids take their row locks in one order
 			ON CONFLICT (consumer_group, message_id) DO NOTHING
 			RETURNING message_id`,
 		setOut:  `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND message_id = $2`,
@@ -144,9 +145,10 @@ func (in *Inbox) Claim(ctx context.Context, tx DBTX, e Entry) (bool, error) {
 // does. BEGIN and the claim go to Postgres in one round trip (pgx's
 // Batch.BeginTx), where pool.Begin followed by Claim takes two. The
 // transaction is open either way; the caller commits or rolls it back,
-// which returns its connection to the pool. On error there is no
-// transaction.
-func (in *Inbox) BeginClaim(ctx context.Context, pool *pgxpool.Pool, e Entry) (pgx.Tx, bool, error) {
+// which returns its connection to the pool. The statements of then run
+// after the claim in the same round trip (locks the caller's handler will
+// need, say). On error there is no transaction.
+func (in *Inbox) BeginClaim(ctx context.Context, pool *pgxpool.Pool, e Entry, then ...Statement) (pgx.Tx, bool, error) {
 	sql, args, err := in.claimArgs(e)
 	if err != nil {
 		return nil, false, err
@@ -157,11 +159,25 @@ func (in *Inbox) BeginClaim(ctx context.Context, pool *pgxpool.Pool, e Entry) (p
 			claimed = tag.RowsAffected() == 1
 			return nil
 		})
+		queueAll(b, then)
 	})
 	if err != nil {
 		return nil, false, fmt.Errorf("dedup: begin and claim %q: %w", e.MessageID, err)
 	}
 	return tx, claimed, nil
+}
+
+// Statement is a statement with its arguments, run after a claim in the
+// same round trip (BeginClaim, BeginClaimMany).
+type Statement struct {
+	SQL  string
+	Args []any
+}
+
+func queueAll(b *pgx.Batch, stmts []Statement) {
+	for _, s := range stmts {
+		b.Queue(s.SQL, s.Args...)
+	}
 }
 
 // beginWith begins a transaction on a connection from pool and runs the
@@ -217,23 +233,23 @@ func (in *Inbox) ClaimMany(ctx context.Context, tx DBTX, group string, entries [
 }
 
 // BeginClaimMany is ClaimMany as the first statement of a transaction it
-// begins on a connection from pool, in one round trip with BEGIN (see
-// BeginClaim).
-func (in *Inbox) BeginClaimMany(ctx context.Context, pool *pgxpool.Pool, group string, entries []Entry) (pgx.Tx, []bool, error) {
+// begins on a connection from pool, in one round trip with BEGIN and the
+// statements of then (see BeginClaim).
+func (in *Inbox) BeginClaimMany(ctx context.Context, pool *pgxpool.Pool, group string, entries []Entry, then ...Statement) (pgx.Tx, []bool, error) {
 	args, err := claimManyArgs(group, entries)
 	if err != nil {
 		return nil, nil, err
 	}
 	claimed := make([]bool, len(entries))
 	tx, err := beginWith(ctx, pool, func(b *pgx.Batch) {
-		if len(entries) == 0 {
-			return
+		if len(entries) > 0 {
+			b.Queue(in.claimMany, args...).Query(func(rows pgx.Rows) error {
+				var err error
+				claimed, err = claimedOf(rows, args[1].([]string))
+				return err
+			})
 		}
-		b.Queue(in.claimMany, args...).Query(func(rows pgx.Rows) error {
-			var err error
-			claimed, err = claimedOf(rows, args[1].([]string))
-			return err
-		})
+		queueAll(b, then)
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("dedup: begin and claim many: %w", err)

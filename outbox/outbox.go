@@ -41,6 +41,11 @@ type Message struct {
 	Key     []byte // messages with equal (Topic, Key) are published in commit order
 	Value   []byte
 	Headers []Header
+	// Context, when set, is the context whose span the message's trace
+	// continues, in place of Enqueue's ctx: one Enqueue that carries the
+	// events of a whole batch of consumed messages gives each event the
+	// trace of its own message (consumer.Message.Context).
+	Context context.Context
 }
 
 // Config configures an Outbox.
@@ -156,8 +161,13 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) ([]Enq
 		hstart[i] = int32(len(hkeys) + 1) // SQL arrays count from 1
 		add := func(k string, v []byte) { hkeys, hvals = append(hkeys, k), append(hvals, v) }
 		add(MessageIDHeader, []byte(id))
+		tc := carrier
+		if m.Context != nil {
+			tp, ts := telemetry.TraceContext(m.Context)
+			tc = map[string]string{"traceparent": tp, "tracestate": ts}
+		}
 		for _, k := range []string{"traceparent", "tracestate"} {
-			if v := carrier[k]; v != "" && !hasHeader(m.Headers, k) {
+			if v := tc[k]; v != "" && !hasHeader(m.Headers, k) {
 				add(k, []byte(v))
 			}
 		}
