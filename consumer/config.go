@@ -97,7 +97,8 @@ type Config struct {
 	// Transactions that share a key, of this member or any other, then take
 	// turns instead of deadlocking: Postgres never has a cycle to break,
 	// whatever order the handlers write their rows in. Keys are free-form
-	// strings; use a prefix per kind of row ("customer:42"). A message whose
+	// strings, scoped to Schema; use a prefix per kind of row
+	// ("customer:42"). A message whose
 	// value does not decode may return nil: its handler will say so.
 	//
 	// Without it, handlers that write shared rows in differing orders can
@@ -105,6 +106,17 @@ type Config struct {
 	// default) and the record runs again (see Stats.Contention), so nothing is
 	// lost or dead-lettered, but the seconds are lost. Default: none.
 	ConflictKeys func(msg *Message) []string
+	// BatchLockTimeout bounds, in batch mode without ConflictKeys, how long
+	// a statement of a batch waits for a lock (SET LOCAL lock_timeout, sent
+	// with BEGIN). Batches whose handlers write shared rows in differing
+	// orders would otherwise wait on each other until Postgres's deadlock
+	// check (deadlock_timeout, 1s by default) fails one of them, cycle after
+	// cycle. Past the bound the record's statement fails, its savepoint is
+	// rolled back (releasing its locks, so the others go on), and the record
+	// runs again in a transaction of its own after the batch commits, as
+	// contention: without spending an attempt. A batch handler's timeout
+	// runs its batch again. Default 100ms; negative: no bound.
+	BatchLockTimeout time.Duration
 
 	// Concurrency bounds the transactions in flight across all partitions
 	// and keys; records wait for a slot rather than for a pool connection.
@@ -233,6 +245,7 @@ func (cfg *Config) setDefaults() {
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	cfg.BatchSize = cmp.Or(cfg.BatchSize, 1)
 	cfg.BatchMaxWait = cmp.Or(cfg.BatchMaxWait, 5*time.Millisecond)
+	cfg.BatchLockTimeout = cmp.Or(cfg.BatchLockTimeout, 100*time.Millisecond)
 	cfg.KeyParallelism = cmp.Or(cfg.KeyParallelism, 1)
 	if cfg.Concurrency == 0 && cfg.Pool != nil {
 		cfg.Concurrency = int(cfg.Pool.Config().MaxConns)

@@ -50,6 +50,7 @@ type Consumer struct {
 	processed, duplicates, retries, commits, held atomic.Int64
 	deadLettered, deadLetterErrs, batches         atomic.Int64
 	contention                                    atomic.Int64
+	serialUntil                                   atomic.Int64 // unix ns: see lostToContention
 }
 
 // New validates cfg and returns a Consumer. Errors name the offending field
@@ -260,6 +261,7 @@ func (r *run) firstCommit() {
 func (c *Consumer) contended(ctx context.Context, rec *kgo.Record, n int) {
 	c.contention.Add(int64(n))
 	c.metrics.contention.Add(ctx, int64(n), c.topicAttrs(rec))
+	c.lostToContention()
 }
 
 // fail records the first fatal error and stops the poll loop.
@@ -974,7 +976,7 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 	tx, claimed, err := c.inbox.BeginClaim(ctx, c.cfg.Pool, dedup.Entry{
 		Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
 		Redrive: isRedrive(rec),
-	}, conflictLocks(locks)...)
+	}, c.locking(locks)...)
 	if err != nil {
 		res.err, res.contention = err, isContention(err)
 		res.infra = !res.contention

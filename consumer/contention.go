@@ -4,6 +4,7 @@ import (
 	"errors"
 	"hash/fnv"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -43,12 +44,16 @@ var contentionBackoff = backoff.Policy{Base: 2 * time.Millisecond, Max: 200 * ti
 // never waits on a row lock held by another such transaction.
 const conflictLock = `SELECT pg_advisory_xact_lock(k) FROM (SELECT DISTINCT unnest($1::bigint[]) AS k ORDER BY 1) s`
 
-// conflictHash maps a conflict key to its advisory lock id. The namespace
-// keeps the ids apart from the outbox's per-key locks; a collision of two
-// keys only makes their transactions take turns.
-func conflictHash(key string) int64 {
+// conflictHash maps a conflict key to its advisory lock id. Keys are scoped
+// to the schema of oncely's tables: consumers that share it share keys,
+// whatever their group. The namespace keeps the ids apart from the
+// outbox's per-key locks; a collision of two keys only makes their
+// transactions take turns.
+func conflictHash(schema, key string) int64 {
 	h := fnv.New64a()
 	_, _ = h.Write([]byte("oncely-conflict\x00"))
+	_, _ = h.Write([]byte(schema))
+	_, _ = h.Write([]byte{0})
 	_, _ = h.Write([]byte(key))
 	return int64(h.Sum64() >> 1)
 }
@@ -59,8 +64,69 @@ func conflictLocks(keys []int64) []dedup.Statement {
 	if len(keys) == 0 {
 		return nil
 	}
+	keys = slices.Clone(keys) // a batch that runs again locks the same keys
 	slices.Sort(keys)
 	return []dedup.Statement{{SQL: conflictLock, Args: []any{slices.Compact(keys)}}}
+}
+
+// setLockTimeout bounds a transaction's lock waits (Config.BatchLockTimeout).
+const setLockTimeout = `SELECT set_config('lock_timeout', $1, true)`
+
+// serialWindow is how long a consumer without conflict keys runs its
+// transactions one at a time, group-wide, after one of them last lost to
+// contention.
+const serialWindow = 10 * time.Second
+
+// serial reports whether the consumer is in its serial window.
+func (c *Consumer) serial() bool {
+	return c.cfg.ConflictKeys == nil && time.Now().UnixNano() < c.serialUntil.Load()
+}
+
+// lostToContention opens (or extends) the serial window of a consumer
+// without conflict keys. Without keys nothing tells which transactions
+// conflict, so after a loss all of them take one group-wide lock: the
+// group's transactions take turns, as transactions sharing a conflict key
+// would, until contention has not been seen for serialWindow; members whose
+// window is closed lose to it in turn and join it.
+func (c *Consumer) lostToContention() {
+	if c.cfg.ConflictKeys != nil {
+		return
+	}
+	was := c.serial()
+	c.serialUntil.Store(time.Now().Add(serialWindow).UnixNano())
+	if !was {
+		c.cfg.Logger.Info("oncely transactions lost to contention; running them one at a time, group-wide, until none has for a while (set ConflictKeys to run the others side by side)",
+			"group", c.cfg.Group, "window", serialWindow)
+	}
+}
+
+// groupLock is the lock of the serial window.
+func (c *Consumer) groupLock() []dedup.Statement {
+	return conflictLocks([]int64{conflictHash(c.cfg.Schema, "oncely-serial\x00"+c.cfg.Group)})
+}
+
+// locking returns what a record's transaction runs after its claim, in the
+// round trip that begins it: its conflict locks, or in the serial window
+// the group-wide lock.
+func (c *Consumer) locking(locks []int64) []dedup.Statement {
+	if c.serial() {
+		return c.groupLock()
+	}
+	return conflictLocks(locks)
+}
+
+// batchLocking is locking for a batch transaction; outside the serial
+// window a batch without conflict keys bounds its lock waits instead.
+func (c *Consumer) batchLocking(locks []int64) []dedup.Statement {
+	switch {
+	case c.cfg.ConflictKeys != nil:
+		return conflictLocks(locks)
+	case c.serial():
+		return c.groupLock()
+	case c.cfg.BatchLockTimeout <= 0:
+		return nil
+	}
+	return []dedup.Statement{{SQL: setLockTimeout, Args: []any{strconv.FormatInt(c.cfg.BatchLockTimeout.Milliseconds(), 10) + "ms"}}}
 }
 
 // conflictKeys runs Config.ConflictKeys for msg and appends the lock ids of
@@ -72,7 +138,7 @@ func (c *Consumer) conflictKeys(dst []int64, msg *Message) (_ []int64, err error
 	}
 	defer recoverPanic(&err)
 	for _, k := range c.cfg.ConflictKeys(msg) {
-		dst = append(dst, conflictHash(k))
+		dst = append(dst, conflictHash(c.cfg.Schema, k))
 	}
 	return dst, nil
 }

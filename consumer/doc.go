@@ -59,6 +59,40 @@
 // both modes the order across keys may change (never within a key); per
 // partition, Config.Concurrency bounds the transactions in flight.
 //
+// # When effects contend
+//
+// Records are often keyed apart from the rows their handlers write: orders
+// keyed by order id, each adding to its customer's balance. Then the
+// transactions of different partitions, and of different members, write the
+// same rows, and two batches that lock them in differing orders deadlock.
+// Three things keep that from collapsing throughput:
+//
+//   - Config.ConflictKeys names the rows a message writes ("customer:42").
+//     Every transaction locks its records' keys (pg_advisory_xact_lock of a
+//     hash) in ascending order, in the round trip that begins it, before
+//     any handler runs. Transactions that share a key, of any member, take
+//     turns; Postgres never sees a cycle. Transactions that share none run
+//     side by side. A batch locks all its records' keys at once: hot keys
+//     make batches take turns, so make batches cheap (a BatchHandler doing
+//     set-based writes takes a few round trips for a whole batch).
+//   - Contention is not failure. A deadlock (40P01), a serialization
+//     failure (40001) or a lock timeout (55P03) runs the transaction again
+//     after a pause of a few milliseconds, spends no attempt, is counted in
+//     Stats.Contention and the oncely.consumer.contention metric, and never
+//     dead-letters a record.
+//   - Without ConflictKeys, nothing says which transactions conflict. A
+//     batch bounds its lock waits (Config.BatchLockTimeout); the first
+//     record of a batch that loses to contention rolls the batch back, and
+//     the consumer runs its transactions one at a time, group-wide (they
+//     all take one advisory lock of the group), until none has lost for ten
+//     seconds. Members join the window as they lose in turn. Throughput then
+//     is that of one transaction at a time, without deadlocks; ConflictKeys
+//     lets transactions of unrelated rows run side by side instead.
+//
+// A batch's savepoints cost no round trip of their own: each travels in front
+// of its handler's first statement (a handler's statements go through a
+// pgx.Tx that sends it with the first of them).
+//
 // # Where duplicates are possible, and why they do no harm
 //
 // Offsets are an optimisation. A record's offset is committed only after its

@@ -264,7 +264,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		entries[i] = dedup.Entry{Group: c.cfg.Group, MessageID: ids[i], Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset}
 	}
 	// BEGIN, the batch's claim and its conflict locks travel in one round trip.
-	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries, conflictLocks(locks)...)
+	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries, c.batchLocking(locks)...)
 	if err != nil {
 		return outs, err, !isContention(err)
 	}
@@ -308,6 +308,12 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		}
 		if tx.Conn().IsClosed() {
 			return outs, herr, true
+		}
+		if c.cfg.ConflictKeys == nil && isContention(herr) {
+			// The batch is in a lock cycle, or waits on one: the records
+			// after this one would time out too. It runs again whole, in
+			// the serial window this loss opens.
+			return outs, herr, false
 		}
 		if rtx.taken {
 			if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {

@@ -64,10 +64,12 @@ const (
 	soakStopGrace        = 10 * time.Second // SIGTERM to exit: what orchestrators grant, and the worker promises
 )
 
-// soakModes are the worker slots' consumer modes: batches of 100 (the
-// example's default), a transaction per record, and 8 keys of a partition
-// at once.
-var soakModes = [][]string{{}, {"--batch-size", "1"}, {"--key-parallelism", "8"}}
+// soakModes are the consumer modes the worker slots run: batches of 100
+// with the set-based batch handler (the example's default), batches of 100
+// with the per-record handler, a transaction per record, and 8 keys of a
+// partition at once. Slot i's n-th start runs mode i+n, so every mode runs
+// and partitions move between modes mid-stream.
+var soakModes = [][]string{{}, {"--handler", "record"}, {"--batch-size", "1"}, {"--key-parallelism", "8"}}
 
 // The fault kinds the driver injects; every one must be met during a run.
 const (
@@ -285,9 +287,7 @@ func newSoak(t *testing.T, duration time.Duration, seed uint64) *soak {
 		w.args = []string{"run", "--brokers", s.brokers, "--topic", soakTopic, "--events-topic", soakEvents,
 			"--group", s.group, "--schema", s.db.Schema, "--http-addr", "127.0.0.1:0",
 			"--instance-id", w.name, "--session-timeout", soakSessionTimeout, "--rebalance-timeout", soakRebalanceTimeout}
-		// Each slot runs another of the consumer's modes, so partitions move
-		// between batches, single records and per-key lanes mid-stream.
-		w.args = append(w.args, soakModes[i%len(soakModes)]...)
+		w.slot = i
 		if w.log, err = os.OpenFile(filepath.Join(s.logDir, w.name+".log"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC|os.O_APPEND, 0o644); err != nil {
 			t.Fatal(err)
 		}
@@ -307,6 +307,7 @@ func newSoak(t *testing.T, duration time.Duration, seed uint64) *soak {
 type soakWorker struct {
 	name, app string // instance id; application_name of its database sessions
 	args, env []string
+	slot      int // which of soakModes its first start runs
 	log       *os.File
 
 	mu     sync.Mutex
@@ -350,7 +351,9 @@ func (s *soak) start(w *soakWorker) *soakProc {
 		p.logFrom = fi.Size()
 	}
 	var err error
-	if p.cmd, err = s.spawn(w.log, fmt.Sprintf("%s start %d", w.name, w.starts), w.env, w.args...); err != nil {
+	mode := soakModes[(w.slot+w.starts-1)%len(soakModes)]
+	args := append(slices.Clip(w.args), mode...)
+	if p.cmd, err = s.spawn(w.log, fmt.Sprintf("%s start %d %v", w.name, w.starts, mode), w.env, args...); err != nil {
 		s.t.Error(err)
 		return nil
 	}

@@ -153,7 +153,7 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) ([]Enq
 		ids[i], topics[i], keys[i], values[i] = id, m.Topic, m.Key, m.Value
 		if m.Key != nil {
 			shards[i] = int32(h % uint64(o.shards))
-			locks = append(locks, int64(h))
+			locks = append(locks, lockID(o.schema, m.Topic, m.Key))
 		} else {
 			shards[i] = int32(fnvString(id) % uint64(o.shards)) // no order to keep: spread
 		}
@@ -200,6 +200,20 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) ([]Enq
 	return out, nil
 }
 
+// lockID is the advisory lock that serializes the enqueuers of one (topic,
+// key) in one schema. The schema is part of it: outboxes of two schemas in
+// one database never wait on each other.
+func lockID(schema, topic string, key []byte) int64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte("oncely-outbox\x00"))
+	_, _ = h.Write([]byte(schema))
+	_, _ = h.Write([]byte{0})
+	_, _ = h.Write([]byte(topic))
+	_, _ = h.Write([]byte{0})
+	_, _ = h.Write(key)
+	return int64(h.Sum64() >> 1)
+}
+
 func fnvString(s string) uint64 {
 	h := fnv.New64a()
 	_, _ = h.Write([]byte(s))
@@ -215,8 +229,8 @@ func hasHeader(hs []Header, k string) bool {
 	return false
 }
 
-// keyHash is the 63-bit hash of (topic, key) used for the per-key lock and
-// the shard. It is part of the storage format: do not change it.
+// keyHash is the 63-bit hash of (topic, key) that picks the shard. It is
+// part of the storage format: do not change it.
 func keyHash(topic string, key []byte) uint64 {
 	h := fnv.New64a()
 	_, _ = h.Write([]byte(topic))

@@ -148,7 +148,8 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	fs.StringVar(&cfg.Group, "group", envOr(getenv, "CONSUMER_GROUP", "orderworker"), "consumer group, also the dedup scope (env CONSUMER_GROUP)")
 	fs.StringVar(&cfg.HTTPAddr, "http-addr", envOr(getenv, "HTTP_ADDR", "127.0.0.1:8080"), "address of GET /healthz, GET /metrics, POST /orders and POST /webhooks/orders; port 0 picks one (env HTTP_ADDR)")
 	batchSize := fs.String("batch-size", envOr(getenv, "BATCH_SIZE", "100"), "records of a partition per transaction, one inbox claim for all (env BATCH_SIZE); 1: a transaction per record; with --key-parallelism above 1 the default is 1")
-	keyPar := fs.String("key-parallelism", envOr(getenv, "KEY_PARALLELISM", "1"), "customers of one partition processed at once, each customer's orders in order (env KEY_PARALLELISM); for slow handlers, instead of batches")
+	keyPar := fs.String("key-parallelism", envOr(getenv, "KEY_PARALLELISM", "1"), "records of one partition with different keys processed at once, each key's records in order (env KEY_PARALLELISM); for slow handlers, instead of batches")
+	handler := fs.String("handler", envOr(getenv, "HANDLER", "batch"), "with --batch-size above 1: batch, the set-based batch handler (each statement covers the whole batch), or record, the per-record handler under a savepoint per order (env HANDLER)")
 	session := fs.String("session-timeout", envOr(getenv, "SESSION_TIMEOUT", "10s"), "group session timeout, a Go duration (env SESSION_TIMEOUT)")
 	rebalance := fs.String("rebalance-timeout", envOr(getenv, "REBALANCE_TIMEOUT", "30s"), "how long a rebalance waits for the group's members to rejoin, a Go duration (env REBALANCE_TIMEOUT)")
 	fs.StringVar(&cfg.InstanceID, "instance-id", getenv("INSTANCE_ID"), "static group membership id, unique per live instance (env INSTANCE_ID)")
@@ -195,6 +196,13 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	}
 	if cfg.BatchSize > 1 && cfg.KeyParallelism > 1 {
 		return cfg, invalidFlag("--batch-size (BATCH_SIZE)", fmt.Errorf("%d cannot be combined with --key-parallelism %d: batches suit cheap handlers, key parallelism slow ones", cfg.BatchSize, cfg.KeyParallelism))
+	}
+	switch *handler {
+	case "batch":
+	case "record":
+		cfg.RecordHandler = true
+	default:
+		return cfg, invalidFlag("--handler (HANDLER)", fmt.Errorf("want batch or record, got %q", *handler))
 	}
 	if cfg.SessionTimeout, err = positiveDuration("--session-timeout (SESSION_TIMEOUT)", *session); err != nil {
 		return cfg, err
@@ -354,6 +362,7 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	dupRate := fs.Float64("dup-rate", 0.2, "fraction of records produced a second time with the same message-id")
 	poisonRate := fs.Float64("poison-rate", 0, "poison records (not valid orders: they go to the dead-letter topic) to mix in, as a fraction of --count")
 	customers := fs.Int("customers", 50, "number of distinct customers")
+	keyBy := fs.String("key-by", "order", "what the records are keyed by: order (the order id: one customer's orders spread over every partition, as on most real topics) or customer")
 	rate := fs.Int("rate", 0, "records per second; 0: as fast as possible")
 	var kafkaSecurity kafkaflags.Flags
 	kafkaSecurity.Register(fs, getenv)
@@ -376,6 +385,9 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	if *rate < 0 {
 		return usageExit(stderr, invalidFlag("--rate", errors.New("must not be negative")))
 	}
+	if *keyBy != "order" && *keyBy != "customer" {
+		return usageExit(stderr, invalidFlag("--key-by", fmt.Errorf("want order or customer, got %q", *keyBy)))
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
@@ -390,6 +402,9 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 		rng = rand.New(rand.NewPCG(*seed, 0))
 	}
 	batch := generate(spec, rng)
+	if *keyBy == "customer" {
+		batch.KeyByCustomer()
+	}
 	if err := produce(ctx, cl, *topic, batch.Deliveries, *rate); err != nil {
 		printf(stderr, "orderworker: %v\n", err)
 		return exitError

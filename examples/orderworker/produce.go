@@ -46,6 +46,8 @@ type delivery struct {
 	Poison    []byte // the value of a record that is not a valid order; nil for an order
 	MessageID string // the record's message-id header: the inbox's dedup key
 	Duplicate bool   // a second delivery of a record produced before
+	// byCustomer keys the record by its customer, not its order id.
+	byCustomer bool
 }
 
 // orderBatch is what a producer sent: each order once, the message ids of
@@ -140,18 +142,36 @@ func generate(spec orderSpec, rng *rand.Rand) orderBatch {
 	return b
 }
 
-// record turns a delivery into a Kafka record. The key is the customer, so
-// one customer's orders stay in one partition and in order, and a duplicate
-// usually lands in the same partition as its original, though the inbox does
-// not depend on that: it dedups by message id across partitions.
+// KeyByCustomer keys every delivery by its customer instead of its order:
+// one customer's orders then stay in one partition.
+func (b *orderBatch) KeyByCustomer() {
+	for i := range b.Deliveries {
+		b.Deliveries[i].byCustomer = true
+	}
+}
+
+// record turns a delivery into a Kafka record. The key is the order id, as
+// on most real topics: one customer's orders spread over every partition,
+// and the handlers of several partitions and members update the same
+// balance row (the consumer's conflict keys make them take turns). A
+// duplicate lands in the same partition as its original, though the inbox
+// does not depend on that: it dedups by message id across partitions.
+// Poison records are keyed by their message id.
 func (d delivery) record(topic string) *kgo.Record {
 	value := d.Poison
 	if value == nil {
 		value, _ = json.Marshal(d.Order) // cannot fail: strings and an int
 	}
+	key := d.Order.OrderID
+	switch {
+	case d.byCustomer:
+		key = d.Order.CustomerID
+	case key == "":
+		key = d.MessageID
+	}
 	return &kgo.Record{
 		Topic:   topic,
-		Key:     []byte(d.Order.CustomerID),
+		Key:     []byte(key),
 		Value:   value,
 		Headers: []kgo.RecordHeader{{Key: consumer.DefaultMessageIDHeader, Value: []byte(d.MessageID)}},
 	}

@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -92,7 +94,11 @@ type store struct {
 
 	insertOrder  string
 	addToBalance string
-	pending      string // are events waiting in the outbox?
+	// The batch handler's: every order of a batch in one statement, every
+	// customer's balance in one statement.
+	insertOrders  string
+	addToBalances string
+	pending       string // are events waiting in the outbox?
 
 	events      *outbox.Outbox // oncely's outbox table, in the same schema
 	eventsTopic string
@@ -145,6 +151,18 @@ func newStore(schema, eventsTopic string) (*store, error) {
 			ON CONFLICT (customer_id) DO UPDATE SET balance_cents = b.balance_cents + EXCLUDED.balance_cents,
 				order_count = b.order_count + 1
 			RETURNING order_count`,
+		insertOrders: `INSERT INTO ` + orders + `
+			(order_id, customer_id, amount_cents, message_id, topic, partition, "offset")
+			SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::int[], $7::bigint[])`,
+		// One row per customer, in customer order: two batches that share
+		// customers lock their balance rows in the same order. (The
+		// consumer's conflict locks already make them take turns; the
+		// order keeps that true for any other writer of balances.)
+		addToBalances: `INSERT INTO ` + balances + ` AS b (customer_id, balance_cents, order_count)
+			SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[]) ORDER BY 1
+			ON CONFLICT (customer_id) DO UPDATE SET balance_cents = b.balance_cents + EXCLUDED.balance_cents,
+				order_count = b.order_count + EXCLUDED.order_count
+			RETURNING customer_id, order_count`,
 		// The relay's own index on pending rows answers this.
 		pending: `SELECT EXISTS (SELECT 1 FROM ` + pgx.Identifier{schema, "outbox"}.Sanitize() + ` WHERE sent_at IS NULL)`,
 	}, nil
@@ -190,6 +208,129 @@ func (s *store) migrate(ctx context.Context, pool *pgxpool.Pool, log *slog.Logge
 // retrying it or stopping the partition.
 func (s *store) handler() consumer.Handler { return consumer.JSON(s.apply) }
 
+// conflictKeys names the row an order's handler writes that other
+// partitions' orders write too: its customer's balance. Orders are keyed by
+// order id, so one customer's orders arrive on every partition, and every
+// member of the group; the consumer locks these keys in sorted order before
+// a transaction's handler runs, so transactions that share a customer take
+// turns instead of deadlocking on the balance rows (and on the outbox's
+// per-customer lock). A value that does not decode names no key: the
+// handler dead-letters it.
+func conflictKeys(msg *consumer.Message) []string {
+	o, err := consumer.DecodeJSON[Order](msg.Value)
+	if err != nil || o.CustomerID == "" {
+		return nil
+	}
+	return []string{"customer:" + o.CustomerID}
+}
+
+// batchHandler is the default handler (--handler batch): the orders of a
+// batch are applied set-based, in three round trips whatever their number,
+// with the same effects and guarantees as apply, the per-record handler.
+func (s *store) batchHandler() consumer.BatchHandler { return s.applyBatch }
+
+// applyBatch runs inside the transaction whose first statement claimed the
+// ids of every message of msgs in the inbox (and locked their customers):
+// one statement inserts all their order rows, one adds to each customer's
+// balance once, in customer order, and one enqueues all their events. A
+// message that does not decode, or whose order is invalid, is set aside with
+// Fail: the batch commits without it and the consumer dead-letters it.
+//
+// Seq stays the customer's count of accepted orders in commit order: the
+// customer's balance row is locked until commit, and a customer's k orders
+// in this batch take the numbers count-k+1 .. count, in offset order.
+func (s *store) applyBatch(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error {
+	type accepted struct {
+		msg *consumer.Message
+		o   Order
+	}
+	orders := make([]accepted, 0, len(msgs))
+	for _, msg := range msgs {
+		o, err := consumer.DecodeJSON[Order](msg.Value)
+		if err != nil {
+			msg.Fail(dlq.Undecodable(err))
+			continue
+		}
+		if err := o.validate(); err != nil {
+			msg.Fail(dlq.Permanent(fmt.Errorf("orderworker: record %s/%d/%d: %w", msg.Topic, msg.Partition, msg.Offset, err)))
+			continue
+		}
+		orders = append(orders, accepted{msg, o})
+	}
+	if len(orders) == 0 {
+		return nil
+	}
+	n := len(orders)
+	var (
+		orderIDs, customers, msgIDs, topics = make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+		amounts, offsets                    = make([]int64, n), make([]int64, n)
+		partitions                          = make([]int32, n)
+		perCustomer                         = map[string]*[2]int64{} // cents, orders
+	)
+	for i, a := range orders {
+		orderIDs[i], customers[i], amounts[i] = a.o.OrderID, a.o.CustomerID, a.o.AmountCents
+		msgIDs[i], topics[i], partitions[i], offsets[i] = a.msg.ID, a.msg.Topic, a.msg.Partition, a.msg.Offset
+		t := perCustomer[a.o.CustomerID]
+		if t == nil {
+			t = new([2]int64)
+			perCustomer[a.o.CustomerID] = t
+		}
+		t[0] += a.o.AmountCents
+		t[1]++
+	}
+	ids := slices.Sorted(maps.Keys(perCustomer))
+	cents, counts := make([]int64, len(ids)), make([]int64, len(ids))
+	for i, id := range ids {
+		cents[i], counts[i] = perCustomer[id][0], perCustomer[id][1]
+	}
+	// The order rows and the balances in one round trip.
+	next := make(map[string]int64, len(ids)) // the next order's seq, per customer
+	b := &pgx.Batch{}
+	b.Queue(s.insertOrders, orderIDs, customers, amounts, msgIDs, topics, partitions, offsets)
+	b.Queue(s.addToBalances, ids, cents, counts).Query(func(rows pgx.Rows) error {
+		var id string
+		var count int64
+		_, err := pgx.ForEachRow(rows, []any{&id, &count}, func() error {
+			next[id] = count - perCustomer[id][1] + 1
+			return nil
+		})
+		return err
+	})
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("orderworker: insert %d orders and add to %d balances: %w", n, len(ids), err)
+	}
+	events := make([]outbox.Message, n)
+	for i, a := range orders {
+		seq := next[a.o.CustomerID]
+		next[a.o.CustomerID]++
+		value, err := json.Marshal(OrderAccepted{Order: a.o, Seq: seq})
+		if err != nil {
+			return fmt.Errorf("orderworker: encode order.accepted for %s: %w", a.o.OrderID, err)
+		}
+		events[i] = s.accepted(a.o, value)
+		events[i].Context = a.msg.Context() // the event continues its order's trace
+	}
+	// One statement for all events; the outbox takes its per-customer
+	// locks in sorted order.
+	if _, err := s.events.Enqueue(ctx, tx, events...); err != nil {
+		return fmt.Errorf("orderworker: enqueue %d order.accepted events: %w", n, err)
+	}
+	return nil
+}
+
+// accepted is the outbox message of an order.accepted event.
+func (s *store) accepted(o Order, value []byte) outbox.Message {
+	return outbox.Message{
+		Topic: s.eventsTopic,
+		Key:   []byte(o.CustomerID), // one customer's events stay in commit order
+		Value: value,
+		Headers: []outbox.Header{
+			{Key: eventTypeHeader, Value: []byte(orderAcceptedType)},
+			{Key: "content-type", Value: []byte("application/json")},
+		},
+	}
+}
+
 // apply runs inside the transaction whose first statement claimed msg.ID in
 // the inbox, so its writes commit together with that claim, or not at all:
 // the order's row, the customer's balance, and the order.accepted event in
@@ -217,15 +358,7 @@ func (s *store) apply(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o O
 	}
 	// ctx carries the consumer's process span: the outbox stores its trace
 	// context with the event, and the relay's send span continues it.
-	if _, err := s.events.Enqueue(ctx, tx, outbox.Message{
-		Topic: s.eventsTopic,
-		Key:   []byte(o.CustomerID), // one customer's events stay in commit order
-		Value: value,
-		Headers: []outbox.Header{
-			{Key: eventTypeHeader, Value: []byte(orderAcceptedType)},
-			{Key: "content-type", Value: []byte("application/json")},
-		},
-	}); err != nil {
+	if _, err := s.events.Enqueue(ctx, tx, s.accepted(o, value)); err != nil {
 		return fmt.Errorf("orderworker: enqueue order.accepted for %s: %w", o.OrderID, err)
 	}
 	return nil
@@ -247,7 +380,10 @@ type workerConfig struct {
 	InstanceID       string
 	Schema           string
 	BatchSize        int // records per transaction (consumer.Config.BatchSize)
-	KeyParallelism   int // customers of a partition processed at once
+	KeyParallelism   int // orders of a partition processed at once
+	// RecordHandler runs the per-record handler (apply) in batches too,
+	// each order under a savepoint, instead of the set-based batch handler.
+	RecordHandler bool
 
 	// Telemetry. The OTLP exporters read the standard OTEL_EXPORTER_OTLP_*
 	// variables themselves; these say whether to start them.
@@ -355,12 +491,12 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		<-cleanupDone
 	}()
 
-	c, err := consumer.New(consumer.Config{
+	ccfg := consumer.Config{
 		Brokers:          cfg.Brokers,
 		Topics:           []string{cfg.Topic},
 		Group:            cfg.Group,
 		Pool:             pool,
-		Handler:          st.handler(),
+		ConflictKeys:     conflictKeys,
 		BatchSize:        cfg.BatchSize,
 		KeyParallelism:   cfg.KeyParallelism,
 		Schema:           cfg.Schema,
@@ -372,7 +508,13 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		MeterProvider:    tel.meterProvider,
 		Logger:           log,
 		ClientOpts:       cfg.KafkaOpts,
-	})
+	}
+	if cfg.BatchSize > 1 && !cfg.RecordHandler {
+		ccfg.BatchHandler = st.batchHandler()
+	} else {
+		ccfg.Handler = st.handler()
+	}
+	c, err := consumer.New(ccfg)
 	if err != nil {
 		return err
 	}
