@@ -6,12 +6,13 @@ import (
 	"fmt"
 	"runtime/debug"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -21,6 +22,7 @@ import (
 	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/internal/testhook"
 )
@@ -144,13 +146,17 @@ type run struct {
 	err   error // the first fatal error
 }
 
-// Run joins the group and processes records until ctx is cancelled or a
-// record exhausts its attempts. On the way out it finishes in-flight records,
+// Run joins the group and processes records until ctx is cancelled. It
+// fails at once, with ErrNotMigrated, when the inbox table does not exist
+// in Config.Schema. On the way out it finishes in-flight records,
 // commits offsets and leaves the group, all bounded by ShutdownTimeout. It
 // returns nil after a shutdown requested through ctx. Run may be called once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("consumer: Run called more than once")
+	}
+	if err := c.checkInbox(ctx); err != nil {
+		return err
 	}
 	pollCtx, cancelPoll := context.WithCancel(ctx)
 	defer cancelPoll()
@@ -171,6 +177,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.ConsumerGroup(c.cfg.Group),
 		kgo.ConsumeTopics(c.cfg.Topics...),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		// Records of aborted Kafka transactions never reach a handler.
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.DisableAutoCommit(),
 		// A resumed partition waits for the fetch in flight to return; a
 		// short broker-side wait keeps that pause short.
@@ -262,6 +270,30 @@ func (c *Consumer) contended(ctx context.Context, rec *kgo.Record, n int) {
 	c.contention.Add(int64(n))
 	c.metrics.contention.Add(ctx, int64(n), c.topicAttrs(rec))
 	c.lostToContention()
+}
+
+// ErrNotMigrated is returned by Run when the inbox table does not exist.
+var ErrNotMigrated = errors.New("consumer: the inbox table does not exist")
+
+// checkInbox fails Run at start-up when the inbox table is missing: the
+// schema was never migrated, or Config.Schema names another schema than the
+// migrations did. Every claim would fail (42P01) until someone noticed. A
+// database that does not answer is not checked here: the record path waits
+// for it.
+func (c *Consumer) checkInbox(ctx context.Context) error {
+	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	table := sqlident.Table(c.cfg.Schema, "inbox")
+	var found bool
+	if err := c.cfg.Pool.QueryRow(cctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&found); err != nil {
+		c.cfg.Logger.Warn("oncely consumer could not check its inbox table at start-up", "table", table, "err", err)
+		return nil
+	}
+	if !found {
+		return fmt.Errorf("%w: %s (Config.Schema %q): apply the migrations to that schema first (package migrations, or `oncely migrate up --schema %s`)",
+			ErrNotMigrated, table, c.cfg.Schema, c.cfg.Schema)
+	}
+	return nil
 }
 
 // fail records the first fatal error and stops the poll loop.
@@ -978,8 +1010,7 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		Redrive: isRedrive(rec),
 	}, c.locking(locks)...)
 	if err != nil {
-		res.err, res.contention = err, isContention(err)
-		res.infra = !res.contention
+		res.err, res.contention, res.infra = err, isContention(err), databaseFailed(err)
 		return res
 	}
 	committing := false
@@ -993,12 +1024,12 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		return res
 	}
 	if err := callHandler(ctx, c.handler, tx, msg); err != nil {
-		res.err, res.infra, res.contention = err, tx.Conn().IsClosed(), isContention(err)
+		res.err, res.infra, res.contention = err, handlerDatabaseFailed(ctx, err, tx), isContention(err)
 		return res
 	}
 	committing = true // a failed Commit ends the transaction too
 	if err := tx.Commit(ctx); err != nil {
-		res.err, res.infra, res.contention = fmt.Errorf("consumer: commit: %w", err), connectionFailed(err), isContention(err)
+		res.err, res.infra, res.contention = fmt.Errorf("consumer: commit: %w", err), databaseFailed(err), isContention(err)
 		return res
 	}
 	return res
@@ -1084,16 +1115,6 @@ func (c *Consumer) endProcessSpan(ctx context.Context, span trace.Span, rec *kgo
 	c.metrics.processDuration.Record(ctx, time.Since(start).Seconds(), c.metricAttrs(key))
 }
 
-// connectionFailed reports whether a failed COMMIT lost its connection, as
-// opposed to Postgres refusing the transaction (a deferred constraint, a
-// serialization failure), which is the handler's to answer for. It reads
-// the error, not the connection: that went back to the pool with Commit and
-// may already serve another transaction.
-func connectionFailed(err error) bool {
-	var pgErr *pgconn.PgError
-	return !errors.As(err, &pgErr) || pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC"
-}
-
 // rollback ends a transaction that was not committed. It has a bound of its
 // own, as ctx may be what ended the attempt.
 func rollback(ctx context.Context, tx pgx.Tx) {
@@ -1143,6 +1164,11 @@ func (c *Consumer) messageID(rec *kgo.Record) (string, error) {
 	}
 	if len(id) > MaxMessageIDLen {
 		return "", fmt.Errorf("consumer: message id of %d bytes exceeds %d", len(id), MaxMessageIDLen)
+	}
+	// Postgres text holds neither: the claim would fail on every attempt.
+	// A Java producer putting a raw 16-byte UUID in the header does this.
+	if !utf8.ValidString(id) || strings.IndexByte(id, 0) >= 0 {
+		return "", fmt.Errorf("consumer: message id %s is not valid UTF-8 text without NUL bytes", strconv.QuoteToASCII(id))
 	}
 	return id, nil
 }

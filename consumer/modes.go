@@ -266,7 +266,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 	// BEGIN, the batch's claim and its conflict locks travel in one round trip.
 	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries, c.batchLocking(locks)...)
 	if err != nil {
-		return outs, err, !isContention(err)
+		return outs, err, databaseFailed(err)
 	}
 	committing := false
 	defer func() {
@@ -288,7 +288,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		case failedKeys[string(rec.Key)]:
 			outs[i].deferred = true
 			if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
-				return outs, err, true
+				return outs, err, databaseFailed(err)
 			}
 			continue
 		}
@@ -301,13 +301,22 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		rtx.next()
 		herr := callHandler(sctx, c.handler, rtx, msgs[i])
 		if rtx.err != nil {
-			return outs, rtx.err, true
+			// The savepoint failed: the database went away, or the
+			// transaction was aborted by a statement an earlier handler
+			// let fail and then returned nil (25P02). That record is
+			// unknown: the batch's records run one by one.
+			// A savepoint that ran out of the handler's own time is the
+			// handler's failure too.
+			return outs, rtx.err, databaseFailed(rtx.err) && !(rtx.ctxDone && ctx.Err() == nil)
 		}
 		if herr == nil {
 			continue
 		}
 		if tx.Conn().IsClosed() {
-			return outs, herr, true
+			// The transaction is gone with its connection: the database
+			// went away, or the handler's own deadline cancelled a
+			// statement (the record's doing: the records run one by one).
+			return outs, herr, handlerDatabaseFailed(sctx, herr, tx)
 		}
 		if c.cfg.ConflictKeys == nil && isContention(herr) {
 			// The batch is in a lock cycle, or waits on one: the records
@@ -317,19 +326,20 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		}
 		if rtx.taken {
 			if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepoint); err != nil {
-				return outs, fmt.Errorf("consumer: rollback to savepoint: %w", err), true
+				err = fmt.Errorf("consumer: rollback to savepoint: %w", err)
+				return outs, err, databaseFailed(err)
 			}
 		}
 		rtx.done()
 		if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
-			return outs, err, true
+			return outs, err, databaseFailed(err)
 		}
 		outs[i].err, outs[i].contention = herr, isContention(herr)
 		failedKeys[string(rec.Key)] = true
 	}
 	if len(batch) > 0 {
 		if err := callBatchHandler(ctx, c.cfg.BatchHandler, tx, batch); err != nil {
-			return outs, err, tx.Conn().IsClosed()
+			return outs, err, handlerDatabaseFailed(ctx, err, tx)
 		}
 		// Messages the batch handler failed leave the batch: their claims
 		// are released, and they go on to the record path.
@@ -339,14 +349,14 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 			}
 			i := batchIdx[j]
 			if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
-				return outs, err, true
+				return outs, err, databaseFailed(err)
 			}
 			outs[i].err, outs[i].contention = msg.failed, isContention(msg.failed)
 		}
 	}
 	committing = true // a failed Commit ends the transaction too
 	if err := tx.Commit(ctx); err != nil {
-		return outs, fmt.Errorf("consumer: commit: %w", err), connectionFailed(err)
+		return outs, fmt.Errorf("consumer: commit: %w", err), databaseFailed(err)
 	}
 	return outs, nil, false
 }

@@ -28,6 +28,9 @@ type recordTx struct {
 	open    bool     // a savepoint named savepoint exists (this record's or an earlier one's)
 	taken   bool     // this record's savepoint exists: its statements can be rolled back to it
 	err     error    // a savepoint statement failed: the transaction is unusable
+	// ctxDone: err came from the handler's own context, done while the
+	// savepoint waited in front of the handler's statement.
+	ctxDone bool
 }
 
 // next prepares the savepoint of the next record.
@@ -42,11 +45,11 @@ func (t *recordTx) next() {
 // done forgets a savepoint the record never needed.
 func (t *recordTx) done() { t.pending = t.pending[:0] }
 
-// sent records the outcome of the owed statements.
-func (t *recordTx) sent(err error) error {
+// sent records the outcome of the owed statements, sent in ctx.
+func (t *recordTx) sent(ctx context.Context, err error) error {
 	t.pending = t.pending[:0]
 	if err != nil {
-		t.err = fmt.Errorf("consumer: savepoint: %w", err)
+		t.err, t.ctxDone = fmt.Errorf("consumer: savepoint: %w", err), ctx.Err() != nil
 		return t.err
 	}
 	t.open, t.taken = true, true
@@ -60,10 +63,10 @@ func (t *recordTx) flush(ctx context.Context) error {
 	}
 	for _, s := range t.pending {
 		if _, err := t.Tx.Exec(ctx, s); err != nil {
-			return t.sent(err)
+			return t.sent(ctx, err)
 		}
 	}
-	return t.sent(nil)
+	return t.sent(ctx, nil)
 }
 
 // batchable reports whether a statement with args can follow the owed ones
@@ -92,10 +95,10 @@ func (t *recordTx) send(ctx context.Context, queued []*pgx.QueuedQuery) (pgx.Bat
 	for range n {
 		if _, err := br.Exec(); err != nil {
 			_ = br.Close()
-			return nil, t.sent(err)
+			return nil, t.sent(ctx, err)
 		}
 	}
-	return br, t.sent(nil)
+	return br, t.sent(ctx, nil)
 }
 
 func (t *recordTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {

@@ -1,0 +1,182 @@
+package integration_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/testenv"
+)
+
+// causeHandler fails the record named by its message id as a careless
+// handler would, and applies the effect of every other record:
+//   - "slow": a statement cancelled by the handler's own deadline (pgx closes
+//     the connection over it);
+//   - "sloppy": a statement that fails, whose error the handler ignores
+//     before returning nil (COMMIT then rolls back).
+func causeHandler(member string) consumer.Handler {
+	effect := recordEffect(member)
+	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		switch msg.ID {
+		case "slow":
+			sctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+			defer cancel()
+			_, err := tx.Exec(sctx, `SELECT pg_sleep(5)`)
+			return err
+		case "sloppy":
+			_, _ = tx.Exec(ctx, `SELECT 1/0`) // error ignored: the transaction is aborted
+			return nil
+		}
+		return effect(ctx, tx, msg)
+	}
+}
+
+// TestHandlerCausedFailuresAreDeadLettered: failures the handler caused are
+// the record's, whatever they do to the connection or the transaction: they
+// spend attempts and end in the dead-letter topic, and the records around
+// them are applied. They used to read as a database outage and be retried
+// forever, holding the partition. In every consumer mode.
+func TestHandlerCausedFailuresAreDeadLettered(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.createDLQTopic(t)
+	e.produceRecords(t,
+		e.rec(0, "ok-0", "v"),
+		e.rec(0, "slow", "v"),
+		e.rec(0, "ok-1", "v"),
+		e.rec(0, "sloppy", "v"),
+		e.rec(0, "ok-2", "v"),
+	)
+	cfg := e.config("a", causeHandler("a"))
+	cfg.MaxAttempts = 2
+	m := e.start(context.Background(), cfg)
+	eventually(t, time.Minute, "every record handled and committed", func() bool {
+		s := m.c.Stats()
+		return s.DeadLettered == 2 && s.Processed == 3 && e.committedLag(t) == 0
+	})
+	if !m.c.Ready() {
+		t.Error("Ready() is false after handler-caused failures: they were taken for a database outage")
+	}
+	if err := m.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	e.assertExactlyOnce(t, 3)
+	entries := e.dlqEntries(t)
+	if len(entries) != 2 {
+		t.Fatalf("dead-letter topic holds %d records, want 2", len(entries))
+	}
+	for i, id := range []string{"slow", "sloppy"} {
+		info := entries[i].Info
+		if info.MessageID != id || info.Class != dlq.ClassMaxAttempts || info.Attempts != 2 {
+			t.Errorf("entry %d = %s class %s attempts %d (%s); want %s class %s attempts 2",
+				i, info.MessageID, info.Class, info.Attempts, info.Error, id, dlq.ClassMaxAttempts)
+		}
+	}
+	t.Logf("mode %s: %+v", consumerMode.name, m.c.Stats())
+}
+
+// TestUnstorableIDsAreUndecodable: a message-id header that Postgres text
+// cannot hold (bytes that are not UTF-8, a NUL byte: a raw 16-byte UUID put
+// there by a producer does this) makes the record undecodable, dead-lettered
+// at once with the id escaped in the error, instead of failing its claim on
+// every attempt.
+func TestUnstorableIDsAreUndecodable(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.createDLQTopic(t)
+	rawUUID := string([]byte{0x01, 0x8f, 0xa2, 0x00, 0xff, 0x7e, 0x70, 0x00, 0x80, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77})
+	e.produceRecords(t,
+		e.rec(0, "ok-0", "v"),
+		e.rec(0, rawUUID, "v"),
+		e.rec(0, "a\x00b", "v"),
+		e.rec(0, "caf\xe9", "v"),
+		e.rec(0, "ok-1", "v"),
+	)
+	cfg := e.config("a", recordEffect("a"))
+	m := e.start(context.Background(), cfg)
+	eventually(t, time.Minute, "every record handled and committed", func() bool {
+		s := m.c.Stats()
+		return s.DeadLettered == 3 && s.Processed == 2 && e.committedLag(t) == 0
+	})
+	if err := m.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	e.assertExactlyOnce(t, 2)
+	entries := e.dlqEntries(t)
+	if len(entries) != 3 {
+		t.Fatalf("dead-letter topic holds %d records, want 3", len(entries))
+	}
+	for i, en := range entries {
+		info := en.Info
+		if info.Class != dlq.ClassUndecodable || info.Attempts != 1 || !strings.Contains(info.Error, `\x00`) && !strings.Contains(info.Error, `\xe9`) {
+			t.Errorf("entry %d: class %s attempts %d error %q; want undecodable at once, the id escaped", i, info.Class, info.Attempts, info.Error)
+		}
+	}
+}
+
+// TestMissingInboxFailsAtStart: a consumer whose schema was never migrated
+// (or set to another schema than the migrations') fails Run at once, naming
+// the table, instead of retrying every claim as an outage.
+func TestMissingInboxFailsAtStart(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	cfg := e.config("a", recordEffect("a"))
+	cfg.Schema = testenv.UniqueName("unmigrated")
+	c, err := consumer.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err = c.Run(ctx)
+	if !errors.Is(err, consumer.ErrNotMigrated) || !strings.Contains(err.Error(), cfg.Schema+`"."inbox"`) {
+		t.Fatalf("Run = %v; want ErrNotMigrated naming %s.inbox", err, cfg.Schema)
+	}
+}
+
+// TestAbortedTransactionsAreNotProcessed: records of a Kafka transaction
+// that was aborted never reach the handler (the consumer reads committed).
+func TestAbortedTransactionsAreNotProcessed(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cl := e.kafka.Client(t, kgo.TransactionalID(testenv.UniqueName("tx")), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	for _, commit := range []bool{false, true} {
+		if err := cl.BeginTransaction(); err != nil {
+			t.Fatal(err)
+		}
+		prefix := map[bool]string{false: "aborted", true: "committed"}[commit]
+		for _, m := range uniqueMsgs(prefix, 5, 1) {
+			rec := &kgo.Record{Topic: e.topic, Partition: 0, Key: []byte(m.key), Value: []byte(m.id),
+				Headers: []kgo.RecordHeader{{Key: "message-id", Value: []byte(m.id)}}}
+			if err := cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := cl.EndTransaction(ctx, kgo.TransactionEndTry(commit)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// One more record, produced last in the partition: once it is applied,
+	// the consumer has read past every transactional record.
+	e.produce(t, []msg{{id: "last", partition: 0, key: "k"}})
+	m := e.start(context.Background(), e.config("a", recordEffect("a")))
+	eventually(t, 30*time.Second, "the last record applied", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id = 'last'`) == 1
+	})
+	if err := m.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.count(t, `SELECT count(*) FROM effects WHERE message_id LIKE 'aborted-%'`); n != 0 {
+		t.Errorf("%d records of the aborted transaction were processed", n)
+	}
+	e.assertExactlyOnce(t, 6)
+}
