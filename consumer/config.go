@@ -129,8 +129,8 @@ type Config struct {
 	// header is used, and without it topic/partition/offset (which dedups
 	// redeliveries but not a producer publishing the same message twice).
 	KeyFunc KeyFunc
-	// MessageIDHeader names the header with the message id.
-	// Default "message-id".
+	// MessageIDHeader names the header with the message id, matched in any
+	// casing ("Message-ID" too). Default "message-id".
 	MessageIDHeader string
 
 	// InstanceID turns on static group membership: a member restarted with

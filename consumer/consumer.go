@@ -1152,8 +1152,10 @@ func (c *Consumer) messageID(rec *kgo.Record) (string, error) {
 			return "", errors.New("consumer: key func returned an empty id")
 		}
 	} else {
+		// In any casing: producers write Message-ID as often as message-id,
+		// and a missed header would dedup by offset, not by message.
 		for _, h := range rec.Headers {
-			if h.Key == c.cfg.MessageIDHeader && len(h.Value) > 0 {
+			if len(h.Value) > 0 && strings.EqualFold(h.Key, c.cfg.MessageIDHeader) {
 				id = string(h.Value)
 				break
 			}
