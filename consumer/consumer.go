@@ -868,8 +868,12 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 	sendCtx, span := c.startSendSpan(w.ctx, topic, f.span, id)
 	defer span.End()
 	span.SetAttributes(telemetry.DLQClass.String(string(f.class)))
+	stub := false
 	for n := 1; ; n++ {
 		out := dlq.NewRecord(topic, rec, info, c.cfg.DeadLetterHeaders) // a fresh record per produce
+		if stub {
+			out = dlq.Stub(out, c.cfg.MessageIDHeader)
+		}
 		// The dead-letter record continues from the send span; the
 		// producer's own context stays in HeaderOriginalTraceParent.
 		if tp := (telemetry.Carrier{Headers: &rec.Headers}).Get("traceparent"); tp != "" {
@@ -890,6 +894,14 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 			return false
 		}
 		c.deadLetterErrs.Add(1)
+		if !stub && (errors.Is(err, kerr.MessageTooLarge) || errors.Is(err, kerr.RecordListTooLarge)) {
+			// The copy is too large for the dead-letter topic, and will stay
+			// so: a stub goes instead, at once.
+			stub = true
+			c.cfg.Logger.Warn("oncely dead-letter record too large; writing a stub without its value", "topic", rec.Topic,
+				"partition", rec.Partition, "offset", rec.Offset, "dlq_topic", topic, "err", err)
+			continue
+		}
 		delay := c.backoff.Delay(n)
 		c.cfg.Logger.Error("oncely dead-letter produce failed; partition waits", "topic", rec.Topic,
 			"partition", rec.Partition, "offset", rec.Offset, "dlq_topic", topic, "delay", delay, "err", err)

@@ -36,6 +36,12 @@ const (
 	// dead-letter record's own traceparent names the dead-letter send span.
 	HeaderOriginalTraceParent = Prefix + "original-traceparent"
 
+	// HeaderStub marks a stub dead-letter record: the full copy was too
+	// large for the dead-letter topic, so the value and the original
+	// headers were left out; its value says how large they were. A stub
+	// cannot be redriven: produce the record again from its source.
+	HeaderStub = Prefix + "stub"
+
 	// HeaderRedrive marks a redriven record; its value names the
 	// dead-letter record it came from (topic/partition/offset).
 	HeaderRedrive = "oncely-redrive"
@@ -326,6 +332,36 @@ func NewRecord(topic string, src *kgo.Record, info *Info, policy HeaderPolicy) *
 		Value:   src.Value,
 		Headers: append(headers, info.Headers()...),
 	}
+}
+
+// maxStubKey bounds the key a stub keeps.
+const maxStubKey = 1024
+
+// Stub returns the stub of a dead-letter record full that its topic refused
+// as too large: the oncely-dlq-* headers (where, when, what failed), the
+// dedup id header and the trace context, the key if under 1 KiB, no value,
+// and HeaderStub saying what was left out. A dead letter must always be
+// written: a partition never waits forever on a record that cannot be.
+func Stub(full *kgo.Record, idHeader string) *kgo.Record {
+	idHeader = cmp.Or(idHeader, HeaderMessageIDDefault)
+	stub := &kgo.Record{Topic: full.Topic}
+	dropped := len(full.Value)
+	for _, h := range full.Headers {
+		switch {
+		case strings.HasPrefix(h.Key, Prefix) || h.Key == idHeader || h.Key == "traceparent" || h.Key == "tracestate":
+			stub.Headers = append(stub.Headers, h)
+		default:
+			dropped += len(h.Key) + len(h.Value)
+		}
+	}
+	if len(full.Key) <= maxStubKey {
+		stub.Key = full.Key
+	} else {
+		dropped += len(full.Key)
+	}
+	stub.Headers = append(stub.Headers, kgo.RecordHeader{Key: HeaderStub, Value: fmt.Appendf(nil,
+		"the dead-letter topic refused the full copy as too large: %d bytes of value, key and original headers left out", dropped)})
+	return stub
 }
 
 // DefaultTopic names the dead-letter topic of a source topic: "<topic>.dlq".

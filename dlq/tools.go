@@ -137,6 +137,7 @@ const (
 	WouldRedrive   Action = "would-redrive"
 	SkipProcessed  Action = "skipped-processed" // the inbox holds the id as processed
 	SkipNotDecoded Action = "skipped-invalid"   // not a valid dead-letter record
+	SkipStub       Action = "skipped-stub"      // a stub: its value was left out (HeaderStub)
 )
 
 // Result is the outcome of redriving one entry.
@@ -160,6 +161,11 @@ func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts Re
 		res := Result{Entry: e}
 		if e.Info == nil {
 			res.Action = SkipNotDecoded
+			results = append(results, res)
+			continue
+		}
+		if isStub(e.Record) {
+			res.Action = SkipStub
 			results = append(results, res)
 			continue
 		}
@@ -188,6 +194,15 @@ func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts Re
 		results = append(results, res)
 	}
 	return results, nil
+}
+
+func isStub(rec *kgo.Record) bool {
+	for _, h := range rec.Headers {
+		if h.Key == HeaderStub {
+			return true
+		}
+	}
+	return false
 }
 
 // RedriveRecord builds the record Redrive produces for e.

@@ -3,11 +3,13 @@ package integration_test
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/consumer"
@@ -179,4 +181,60 @@ func TestAbortedTransactionsAreNotProcessed(t *testing.T) {
 		t.Errorf("%d records of the aborted transaction were processed", n)
 	}
 	e.assertExactlyOnce(t, 6)
+}
+
+// TestDeadLetterTooLargeWritesAStub: a record whose dead-letter copy (its
+// value plus oncely's headers) is over the dead-letter topic's size limit is
+// dead-lettered as a stub, without its value, at once, instead of holding
+// its partition forever on MESSAGE_TOO_LARGE; the records after it flow.
+func TestDeadLetterTooLargeWritesAStub(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	limit := "4096"
+	if _, err := kadm.NewClient(e.kafka.Client(t)).CreateTopic(ctx, 1, 1,
+		map[string]*string{"max.message.bytes": &limit}, dlq.DefaultTopic(e.topic)); err != nil {
+		t.Fatal(err)
+	}
+	// Random bytes: not JSON (undecodable), and incompressible, so that
+	// the copy with oncely's headers is over the limit however it is sent.
+	raw := make([]byte, 4000)
+	rng := rand.New(rand.NewPCG(3, 4))
+	for i := range raw {
+		raw[i] = byte(rng.Uint32())
+	}
+	big := string(raw)
+	e.produceRecords(t,
+		e.rec(0, "ok-0", valueOf("ok-0", 1)),
+		e.rec(0, "big", big, kgo.RecordHeader{Key: "tenant", Value: []byte("acme")}),
+		e.rec(0, "ok-1", valueOf("ok-1", 1)),
+	)
+	m := e.start(context.Background(), e.config("a", orderHandler("a")))
+	eventually(t, time.Minute, "every record handled and committed", func() bool {
+		s := m.c.Stats()
+		return s.DeadLettered == 1 && s.Processed == 2 && e.committedLag(t) == 0
+	})
+	if err := m.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	e.assertExactlyOnce(t, 2)
+	entries := e.dlqEntries(t)
+	if len(entries) != 1 || entries[0].Info == nil {
+		t.Fatalf("dead-letter topic holds %d records, want 1 decodable", len(entries))
+	}
+	en := entries[0]
+	stub := ""
+	for _, h := range en.Record.Headers {
+		if h.Key == dlq.HeaderStub {
+			stub = string(h.Value)
+		}
+	}
+	if en.Info.MessageID != "big" || en.Info.Class != dlq.ClassUndecodable || len(en.Record.Value) != 0 || !strings.Contains(stub, "too large") {
+		t.Errorf("dead letter %s class %s value %d bytes stub %q; want the stub of big, undecodable, no value", en.Info.MessageID, en.Info.Class, len(en.Record.Value), stub)
+	}
+	res, err := dlq.Redrive(ctx, e.kafka.Client(t), entries, dlq.RedriveOptions{})
+	if err != nil || len(res) != 1 || res[0].Action != dlq.SkipStub {
+		t.Errorf("redrive of a stub = %+v, %v; want it skipped", res, err)
+	}
 }
