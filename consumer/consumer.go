@@ -1157,7 +1157,7 @@ func (c *Consumer) messageID(rec *kgo.Record) (string, error) {
 	var id string
 	if c.cfg.KeyFunc != nil {
 		var err error
-		if id, err = c.cfg.KeyFunc(rec); err != nil {
+		if id, err = callKeyFunc(c.cfg.KeyFunc, rec); err != nil {
 			return "", fmt.Errorf("consumer: key func: %w", err)
 		}
 		if id == "" {
@@ -1185,6 +1185,13 @@ func (c *Consumer) messageID(rec *kgo.Record) (string, error) {
 		return "", fmt.Errorf("consumer: message id %s is not valid UTF-8 text without NUL bytes", strconv.QuoteToASCII(id))
 	}
 	return id, nil
+}
+
+// callKeyFunc runs f, turning a panic into an error: the record is
+// undecodable, and the process lives on.
+func callKeyFunc(f KeyFunc, rec *kgo.Record) (id string, err error) {
+	defer recoverPanic(&err)
+	return f(rec)
 }
 
 // fallbackID is the dedup id of a record without a message id.

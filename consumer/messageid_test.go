@@ -28,6 +28,7 @@ func TestMessageID(t *testing.T) {
 			Headers: []kgo.RecordHeader{{Key: "message-id"}}}, "t/0/7", ""},
 		{"key func wins", Config{KeyFunc: func(r *kgo.Record) (string, error) { return "k-" + r.Topic, nil }}, rec, "k-orders", ""},
 		{"key func error", Config{KeyFunc: func(*kgo.Record) (string, error) { return "", errors.New("bad") }}, rec, "", "key func: bad"},
+		{"key func panics", Config{KeyFunc: func(*kgo.Record) (string, error) { panic("nil map") }}, rec, "", "handler panicked: nil map"},
 		{"key func empty", Config{KeyFunc: func(*kgo.Record) (string, error) { return "", nil }}, rec, "", "empty id"},
 		{"other casing", Config{}, &kgo.Record{Topic: "t", Offset: 7, Headers: []kgo.RecordHeader{{Key: "Message-ID", Value: []byte("m-2")}}}, "m-2", ""},
 		{"not UTF-8", Config{}, &kgo.Record{Headers: []kgo.RecordHeader{{Key: "message-id", Value: []byte{0xff, 0x01}}}}, "", `"\xff\x01" is not valid UTF-8`},
