@@ -35,9 +35,9 @@ type Consumer struct {
 	backoff backoff.Policy
 	started atomic.Bool
 
-	// ready: the poll loop runs and the database answered the last attempt.
+	// ready: the poll loop runs and no partition waits for the database.
 	polling atomic.Bool
-	dbDown  atomic.Bool
+	dbDown  atomic.Int64 // live partition workers whose last attempt could not reach the database
 
 	tracer  trace.Tracer
 	meter   metric.Meter
@@ -107,9 +107,10 @@ func (c *Consumer) Stats() Stats {
 	}
 }
 
-// Ready reports whether Run is consuming and the database answered the most
-// recent transaction attempt. Use it for readiness probes.
-func (c *Consumer) Ready() bool { return c.polling.Load() && !c.dbDown.Load() }
+// Ready reports whether Run is consuming and no partition waits for the
+// database (every partition's latest transaction attempt reached it). Use
+// it for readiness probes.
+func (c *Consumer) Ready() bool { return c.polling.Load() && c.dbDown.Load() == 0 }
 
 type tp struct {
 	topic     string
@@ -402,8 +403,12 @@ func (r *run) remove(ws []*worker) {
 			delete(r.workers, w.tp)
 			r.c.held.Add(-1)
 		}
+		w.leave()
 	}
 }
+
+// revokeCommitTimeout bounds the offset commit of revoked partitions.
+const revokeCommitTimeout = 5 * time.Second
 
 // onRevoked runs when partitions move away in a rebalance (and when leaving):
 // their workers finish or abandon the in-flight record, what committed is
@@ -416,7 +421,14 @@ func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string]
 			limit = time.Unix(0, by)
 		}
 		stopWorkers(ws, time.Until(limit))
-		cctx, cancel := context.WithDeadline(ctx, limit)
+		// The commit has a bound of its own: a worker that used all of
+		// RevokeTimeout must not leave the others' finished records
+		// uncommitted, for the next owner to process again.
+		commitBy := time.Now().Add(revokeCommitTimeout)
+		if by := r.stopBy.Load(); by != 0 && by < commitBy.UnixNano() {
+			commitBy = time.Unix(0, max(by, time.Now().Add(time.Second).UnixNano()))
+		}
+		cctx, cancel := context.WithDeadline(ctx, commitBy)
 		if err := r.commit(cctx, ws); err != nil {
 			r.c.cfg.Logger.Warn("oncely commit on revoke failed", "err", err)
 		}
@@ -546,6 +558,7 @@ type worker struct {
 	queue      []*kgo.Record
 	full       bool            // the buffer reached MaxBufferedRecords and has not drained to half
 	dbHold     bool            // the last transaction attempt could not reach the database
+	gone       bool            // revoked, lost or stopped: see leave
 	paused     bool            // fetching is paused: full or dbHold
 	mark       kgo.EpochOffset // next offset to commit
 	hasMark    bool
@@ -597,12 +610,27 @@ func (w *worker) syncPause() {
 // transaction attempt: while it does not, the partition fetches nothing
 // more (the group membership stays; heartbeats go on).
 func (w *worker) databaseDown(down bool) {
-	w.r.c.dbDown.Store(down)
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.dbHold != down {
+	if w.dbHold != down && !w.gone {
 		w.dbHold = down
+		w.r.c.dbDown.Add(map[bool]int64{true: 1, false: -1}[down])
 		w.syncPause()
+	}
+}
+
+// leave marks w as no longer the owner of its partition: it counts no more
+// toward Ready, and no periodic commit commits its offsets (the next owner
+// commits that partition now; a stale mark of ours would move it back).
+func (w *worker) leave() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.gone {
+		return
+	}
+	w.gone = true
+	if w.dbHold {
+		w.r.c.dbDown.Add(-1)
 	}
 }
 
@@ -678,7 +706,7 @@ func (w *worker) release() { <-w.r.slots }
 func (w *worker) dirtyMark() (kgo.EpochOffset, bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.mark, w.hasMark && w.mark.Offset > w.lastCommit
+	return w.mark, w.hasMark && w.mark.Offset > w.lastCommit && !w.gone
 }
 
 func (w *worker) committed(off int64) {

@@ -238,3 +238,58 @@ func TestDeadLetterTooLargeWritesAStub(t *testing.T) {
 		t.Errorf("redrive of a stub = %+v, %v; want it skipped", res, err)
 	}
 }
+
+// TestRevokeCommitsPastAStuckWorker: when a revoked partition's in-flight
+// record uses all of RevokeTimeout (and is abandoned), the records it
+// finished before are still committed, so the partition's next owner does
+// not receive them again. The commit on revoke used to run with the
+// already expired RevokeTimeout deadline and fail.
+func TestRevokeCommitsPastAStuckWorker(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	blocked := make(chan string, 2)
+	effect := recordEffect("a")
+	cfg := e.config("a", func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if strings.HasSuffix(msg.ID, "-stuck") {
+			blocked <- msg.ID
+			<-ctx.Done() // until abandoned
+			return ctx.Err()
+		}
+		return effect(ctx, tx, msg)
+	})
+	cfg.RevokeTimeout, cfg.ShutdownTimeout, cfg.CommitInterval = time.Second, 2*time.Second, 10*time.Minute
+	a := e.start(context.Background(), cfg)
+	var first, stuck []msg
+	for p := range int32(2) {
+		key := "k-" + itoa(int(p))
+		for i := range 5 {
+			first = append(first, msg{id: "p" + itoa(int(p)) + "-" + itoa(i), partition: p, key: key})
+		}
+		stuck = append(stuck, msg{id: "p" + itoa(int(p)) + "-stuck", partition: p, key: key})
+	}
+	e.produce(t, first)
+	eventually(t, 30*time.Second, "the first records applied", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects`) == int64(len(first))
+	})
+	e.produce(t, stuck)
+	for range stuck {
+		select {
+		case <-blocked:
+		case <-time.After(30 * time.Second):
+			t.Fatal("the stuck records never reached the handler")
+		}
+	}
+	// A second member: one partition is revoked from a, whose worker there
+	// is stuck until RevokeTimeout abandons it.
+	b := e.start(context.Background(), e.config("b", recordEffect("b")))
+	eventually(t, time.Minute, "b applied the stuck record of the partition it took over", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE member = 'b'`) >= 1
+	})
+	if err := b.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	if d := b.c.Stats().Duplicates; d != 0 {
+		t.Errorf("the new owner received %d records again that the revoked member had finished: the commit on revoke failed", d)
+	}
+	_ = a.stop(t)
+}
