@@ -47,6 +47,10 @@ type options struct {
 
 	effect string
 
+	workload  string
+	contended contendedOptions
+	given     map[string]bool // flags set on the command line
+
 	rounds      int
 	compression string
 	timeout     time.Duration
@@ -102,11 +106,33 @@ func main() {
 	flag.IntVar(&o.rssN, "rss-n", 1_000_000, "backlog records of the RSS mode (batch mode)")
 	flag.StringVar(&o.compression, "compression", "none", "codec the records are produced with (none, snappy, lz4, zstd, gzip); consumers pay its decompression")
 	flag.StringVar(&o.effect, "effect", effectRow, "what a record's handler writes: "+effectRow+" (one row in a table without indexes, the cheapest write there is) or "+effectOrder+" (as the orderworker example: an order row with a primary key, and an upsert of its key's balance)")
-	flag.IntVar(&o.rounds, "rounds", 5, "rounds of every mode but rss; the table shows medians, the targets the median of each round's ratio")
+	flag.IntVar(&o.rounds, "rounds", 5, "rounds of every mode but rss; the table shows medians, the targets the median of each round's ratio (-workload contended: default 3)")
+	flag.StringVar(&o.workload, "workload", workloadUncontended, "records and effects: "+workloadUncontended+" (each key on one partition, -effect) or "+workloadContended+
+		" (orders keyed by order id over -contended-partitions, -customers customers, the orderworker example's effects; -modes then picks from "+strings.Join(allContendedModes, ",")+")")
+	flag.IntVar(&o.contended.n, "contended-n", 5000, "-workload contended: backlog records of the per-record modes (hand, oncely, perkey)")
+	flag.IntVar(&o.contended.batchN, "contended-batch-n", 30_000, "-workload contended: records of batch mode and of the ceiling")
+	flag.IntVar(&o.contended.batchRecsN, "contended-batch-records-n", 10_000, "-workload contended: records of batch mode with the per-record Handler")
+	flag.IntVar(&o.contended.partitions, "contended-partitions", 6, "-workload contended: partitions of the orders topic")
+	flag.IntVar(&o.contended.customers, "customers", 50, "-workload contended: customers the orders are spread over")
+	flag.StringVar(&o.contended.members, "members", "1,3", "-workload contended: member counts of the consumer group, comma-separated")
+	flag.IntVar(&o.contended.batchSize, "contended-batch-size", 100, "-workload contended: BatchSize of the batch modes and transaction size of the ceiling")
+	flag.IntVar(&o.contended.keyParallelism, "contended-key-parallelism", 8, "-workload contended: KeyParallelism of the perkey modes (their pools get at least this many connections)")
+	flag.DurationVar(&o.contended.timeout, "contended-timeout", 30*time.Second, "-workload contended: limit for one phase of one mode; a mode that does not finish in time fails")
+	flag.Uint64Var(&o.contended.seed, "seed", 1, "-workload contended: seed of the orders' customers")
 	flag.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one phase of one mode")
 	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
 	flag.BoolVar(&o.progress, "progress", false, "print each second how many records have committed")
 	flag.Parse()
+	o.given = map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { o.given[f.Name] = true })
+	if o.workload == workloadContended {
+		if !o.given["modes"] {
+			o.modes = strings.Join(contendedModes, ",")
+		}
+		if !o.given["rounds"] {
+			o.rounds = 3
+		}
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
@@ -134,10 +160,18 @@ func run(ctx context.Context, o options) error {
 	if o.effect != effectRow && o.effect != effectOrder {
 		return fmt.Errorf("unknown -effect %q (%s or %s)", o.effect, effectRow, effectOrder)
 	}
+	known := allModes
+	switch o.workload {
+	case workloadUncontended:
+	case workloadContended:
+		known = allContendedModes
+	default:
+		return fmt.Errorf("unknown -workload %q (%s or %s)", o.workload, workloadUncontended, workloadContended)
+	}
 	modes := strings.Split(o.modes, ",")
 	for _, m := range modes {
-		if !slices.Contains(allModes, m) {
-			return fmt.Errorf("unknown mode %q (modes: %s)", m, strings.Join(allModes, ","))
+		if !slices.Contains(known, m) {
+			return fmt.Errorf("unknown mode %q (modes of -workload %s: %s)", m, o.workload, strings.Join(known, ","))
 		}
 	}
 	admin, err := pgxpool.New(ctx, o.dbURL)
@@ -159,6 +193,9 @@ func run(ctx context.Context, o options) error {
 	fmt.Printf("oncely bench: %s, %d CPUs, %s/%s, Postgres %s, kfake (child process)\n",
 		runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, pgVersion)
 	fmt.Printf("flags: %s\n", strings.Join(os.Args[1:], " "))
+	if o.workload == workloadContended {
+		return runContended(ctx, e, modes)
+	}
 	fmt.Printf("settings: rounds=%d n=%d batch-n=%d batch-records-n=%d partitions=%d keys=%d conns=%d batch-size=%d "+
 		"latency=%d@%.0f/s key-n=%d key-seq-n=%d key-parallelism=%d key-sleep=%s key-latency=%d@%.0f/s rss-n=%d compression=%s effect=%s\n",
 		o.rounds, o.n, o.batchN, o.batchRecsN, o.partitions, o.keys, o.conns, o.batchSize,
