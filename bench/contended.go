@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"reflect"
 	"strconv"
 	"strings"
 	"sync"
@@ -100,15 +99,11 @@ func runContended(ctx context.Context, e *env, modes []string) error {
 	}
 	defer drop()
 
-	ckNote := "ConflictKeys: set in modes oncely, batch-records, batch, perkey"
-	if !hasConflictKeys() {
-		ckNote = "ConflictKeys: not in this build of consumer.Config (modes run without it)"
-	}
 	fmt.Printf("contended workload: orders keyed by order id over %d partitions, %d customers; n=%d batch-n=%d batch-records-n=%d "+
 		"batch-size=%d key-parallelism=%d members=%s conns=%d per member (own pool each) latency=%d@%.0f/s rounds=%d timeout=%s\n",
 		co.partitions, co.customers, co.n, co.batchN, co.batchRecsN, co.batchSize, co.keyParallelism, co.members,
 		e.opts.conns, e.opts.latencyRecords, e.opts.latencyRate, e.opts.rounds, co.timeout)
-	fmt.Printf("%s; Stats.Contention: %s\n", ckNote, map[bool]string{true: "present", false: "not in this build"}[hasContentionStat()])
+	fmt.Println("ConflictKeys (the customer id) in modes oncely, batch-records, batch, perkey; not in hand, ceiling and the -nokeys modes")
 	fmt.Printf("load average at start: %s\n\n", loadAverage())
 
 	type key struct {
@@ -212,37 +207,11 @@ func (e *env) deadlocks(ctx context.Context) (int64, error) {
 	return n, err
 }
 
-// hasConflictKeys reports whether consumer.Config has ConflictKeys (the
-// library's core adds it; until then the modes run without).
-func hasConflictKeys() bool {
-	_, ok := reflect.TypeFor[consumer.Config]().FieldByName("ConflictKeys")
-	return ok
-}
-
-func hasContentionStat() bool {
-	_, ok := reflect.TypeFor[consumer.Stats]().FieldByName("Contention")
-	return ok
-}
-
-// setConflictKeys sets cfg.ConflictKeys, when the library has it, to the
-// record's customer id: records of one customer never run in concurrent
-// transactions.
-func setConflictKeys(cfg *consumer.Config) {
-	f := reflect.ValueOf(cfg).Elem().FieldByName("ConflictKeys")
-	if !f.IsValid() {
-		return
-	}
-	fn := func(msg *consumer.Message) []string { return []string{orderload.CustomerOf(msg.Value)} }
-	f.Set(reflect.ValueOf(fn).Convert(f.Type()))
-}
-
-// contention reads Stats().Contention, or -1.
-func contention(s consumer.Stats) int64 {
-	f := reflect.ValueOf(s).FieldByName("Contention")
-	if !f.IsValid() {
-		return -1
-	}
-	return f.Int()
+// conflictKeys is the workload's consumer.Config.ConflictKeys: the record's
+// customer id, so that records of one customer never run in concurrent
+// transactions and a batch locks its customers in sorted order.
+func conflictKeys(msg *consumer.Message) []string {
+	return []string{"customer:" + orderload.CustomerOf(msg.Value)}
 }
 
 // cdb is one contended mode's schema: db (oncely's tables, the recorder)
@@ -349,7 +318,7 @@ func (e *env) runContendedMode(ctx context.Context, mode string, members int) cr
 	bs := strconv.Itoa(co.batchSize)
 	kp := strconv.Itoa(co.keyParallelism)
 	oncely := func(name, note string, n int, conns int32, ck bool, tune func(*consumer.Config, *cdb)) cspec {
-		if ck && hasConflictKeys() {
+		if ck {
 			note += ", ConflictKeys customer"
 		}
 		return cspec{name: name, note: note, n: n, conns: conns,
@@ -369,7 +338,7 @@ func (e *env) runContendedMode(ctx context.Context, mode string, members int) cr
 					},
 				}
 				if ck {
-					setConflictKeys(&cfg)
+					cfg.ConflictKeys = conflictKeys
 				}
 				if tune != nil {
 					tune(&cfg, c)
@@ -380,7 +349,7 @@ func (e *env) runContendedMode(ctx context.Context, mode string, members int) cr
 				}
 				m.stats = func() (int64, int64, int64) {
 					s := cons.Stats()
-					return s.Retries, contention(s), s.DeadLettered
+					return s.Retries, s.Contention, s.DeadLettered
 				}
 				return cons.Run(ctx)
 			}}
