@@ -506,7 +506,10 @@ func (e *env) runContendedKafka(ctx context.Context, s cspec, members int) (res 
 	}
 
 	stable := e.waitStable(runCtx, group, topic, members, co.timeout)
+	meter := e.cpuMeter(c.db)
+	var cpuStart cpuUse
 	if stable == nil {
+		cpuStart = meter.read()
 		c.rec.arm()
 		t0 := time.Now()
 		stable = p.backlog(ctx, 0, s.n)
@@ -523,6 +526,7 @@ func (e *env) runContendedKafka(ctx context.Context, s cspec, members int) (res 
 		res.err = fmt.Errorf("%w (%d of %d records committed)", res.err, res.committed, s.n)
 		return res
 	}
+	res.cpu = meter.read().since(cpuStart)
 	res.elapsed = time.Duration(c.rec.lastDone.Load() - c.rec.firstTx.Load())
 	res.perTx = float64(s.n) / float64(max(c.rec.txs.Load(), 1))
 
@@ -726,6 +730,8 @@ func (e *env) runContendedCeiling(ctx context.Context, conns int) (res cresult) 
 		wg      sync.WaitGroup
 	)
 	size := co.batchSize
+	meter := e.cpuMeter(c.db)
+	cpuStart := meter.read()
 	start := time.Now()
 	for ci := range conns {
 		wg.Go(func() {
@@ -769,6 +775,7 @@ func (e *env) runContendedCeiling(ctx context.Context, conns int) (res cresult) 
 	}
 	wg.Wait()
 	res.elapsed = time.Since(start)
+	res.cpu = meter.read().since(cpuStart)
 	res.retries = retries.Load()
 	if res.err = errors.Join(errs...); res.err == nil {
 		res.latencies = samples

@@ -108,12 +108,17 @@ func reportContended(out io.Writer, o options, counts []int, runs map[string]map
 
 	fmt.Fprintln(out)
 	tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "mode\tmembers\trecords\tseconds\trecords/s\trec/tx\tp50\tp99\tdeadlocks\tdl/10k rec\tretries\tcontention\tdead letters\tvs hand\tmembers/1\t\tnote\t")
+	fmt.Fprintln(tw, "mode\tmembers\trecords\tseconds\trecords/s\trec/tx\tapp CPU/rec\tpg CPU/rec\tp50\tp99\tdeadlocks\tdl/10k rec\tretries\tcontention\tdead letters\tvs ceiling\tvs hand\tmembers/1\t\tnote\t")
 	modes(func(m string, n int, rs []cresult) {
 		med, p50, p99, failed := csummary(rs)
 		var dl, rt, ct, dead, committed int64
+		var appCPU, pgCPU time.Duration
 		ct = -1
 		for _, r := range rs {
+			if r.records > 0 {
+				appCPU += r.cpu.app / time.Duration(r.records*len(rs))
+				pgCPU += r.cpu.pg / time.Duration(r.records*len(rs))
+			}
 			dl, rt, dead, committed = dl+r.deadlocks, rt+r.retries, dead+r.deadLetters, committed+r.committed
 			if r.contention >= 0 {
 				ct = max(ct, 0) + r.contention
@@ -123,7 +128,12 @@ func reportContended(out io.Writer, o options, counts []int, runs map[string]map
 		if committed > 0 {
 			per10k = float64(dl) * 10_000 / float64(committed)
 		}
-		vsHand, scale := "-", "-"
+		vsHand, scale, vsCeiling := "-", "-", "-"
+		if !(m == cmCeiling && n == 4) {
+			if v, _ := cratio(rs, runs[cmCeiling][4]); v > 0 {
+				vsCeiling = fmt.Sprintf("%.2f", v)
+			}
+		}
 		if m != cmHand && m != cmCeiling {
 			if v, _ := cratio(rs, runs[cmHand][n]); v > 0 {
 				vsHand = fmt.Sprintf("%.2f", v)
@@ -138,14 +148,15 @@ func reportContended(out io.Writer, o options, counts []int, runs map[string]map
 		if failed != nil {
 			note = fmt.Sprintf("FAILED in %d of %d rounds: %v", countFailed(rs), len(rs), failed)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f\t%.0f\t%.1f\t%s\t%s\t%d\t%.2f\t%d\t%s\t%d\t%s\t%s\t\t%s\t\n",
-			med.mode, who(m, n), med.records, med.elapsed.Seconds(), med.rate(), med.perTx, dur(p50), dur(p99),
-			dl, per10k, rt, count(ct), dead, vsHand, scale, note)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f\t%.0f\t%.1f\t%s\t%s\t%s\t%s\t%d\t%.2f\t%d\t%s\t%d\t%s\t%s\t%s\t\t%s\t\n",
+			med.mode, who(m, n), med.records, med.elapsed.Seconds(), med.rate(), med.perTx, us(appCPU), us(pgCPU), dur(p50), dur(p99),
+			dl, per10k, rt, count(ct), dead, vsCeiling, vsHand, scale, note)
 	})
 	_ = tw.Flush()
 	fmt.Fprintf(out, "\nrecords/s, seconds, rec/tx: the round with the median records/s of %d rounds; p50/p99 over all rounds' latency samples "+
 		"(the ceiling: one transaction); deadlocks, retries, contention, dead letters: totals over the rounds; dl/10k rec: deadlocks per "+
-		"10,000 records committed (throughput and latency phases); vs hand: median of each round's ratio to the hand-written baseline "+
+		"10,000 records committed (throughput and latency phases); app CPU/rec, pg CPU/rec: as in the uncontended table (throughput phase; "+
+		"app includes every member and the broker); vs ceiling: median of each round's ratio to the 4-connection ceiling; vs hand: median of each round's ratio to the hand-written baseline "+
 		"with as many members; members/1: median of each round's ratio to the same mode with one member. contention '-': the library "+
 		"has no such counter.\n", o.rounds)
 
