@@ -63,6 +63,7 @@ type options struct {
 	timeout          time.Duration
 	rounds           int
 	workerFlags      string
+	handFlags        string
 	logs             string
 }
 
@@ -101,6 +102,7 @@ func main() {
 	flag.DurationVar(&o.timeout, "timeout", 4*time.Minute, "limit for one run to apply every order")
 	flag.IntVar(&o.rounds, "rounds", 1, "rounds; each runs every worker without and with chaos")
 	flag.StringVar(&o.workerFlags, "orderworker-flags", "", "extra flags for `orderworker run`, space-separated (e.g. --batch-size 1)")
+	flag.StringVar(&o.handFlags, "hand-flags", "", "extra flags for the hand-written worker, space-separated (e.g. -heartbeat-interval 1s)")
 	flag.StringVar(&o.logs, "logs", "", "directory to keep every process's log in (default: a temporary one, removed)")
 	flag.Parse()
 
@@ -209,6 +211,9 @@ func run(ctx context.Context, o options) error {
 		o.rebalanceTimeout, o.killEvery, o.seed, o.rounds)
 	if o.workerFlags != "" {
 		fmt.Printf("orderworker flags: %s\n", o.workerFlags)
+	}
+	if o.handFlags != "" {
+		fmt.Printf("hand worker flags: %s\n", o.handFlags)
 	}
 	fmt.Printf("load average at start: %s\n\n", loadAverage())
 
@@ -453,7 +458,8 @@ func (d *driver) start(ctx context.Context, m int) error {
 		args = append(args, strings.Fields(d.o.workerFlags)...)
 		cmd = exec.Command(d.bin, args...)
 	case workerHand:
-		cmd = exec.Command(d.self, append([]string{handArg}, common...)...)
+		args = append(append([]string{handArg}, common...), strings.Fields(d.o.handFlags)...)
+		cmd = exec.Command(d.self, args...)
 	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	cmd.Env = append(os.Environ(), "DATABASE_URL=")

@@ -124,6 +124,7 @@ func handWorker(args []string) error {
 	instance := fs.String("instance-id", "", "static membership id (empty: dynamic)")
 	session := fs.Duration("session-timeout", 0, "group session timeout (0: franz-go's default)")
 	rebalance := fs.Duration("rebalance-timeout", 0, "group rebalance timeout (0: franz-go's default)")
+	heartbeat := fs.Duration("heartbeat-interval", 0, "group heartbeat interval (0: franz-go's default, 3s)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -142,9 +143,15 @@ func handWorker(args []string) error {
 		return err
 	}
 	var first sync.Once
+	var opts []kgo.Opt
+	if *heartbeat > 0 {
+		opts = append(opts, kgo.HeartbeatInterval(*heartbeat))
+	}
 	h := orderload.NewHand(orderload.HandConfig{
 		Brokers: strings.Split(*brokers, ","), Topic: *topic, Group: *group, InstanceID: *instance,
 		SessionTimeout: *session, RebalanceTimeout: *rebalance, Pool: pool, Store: store,
+		Opts:     opts,
+		Assigned: func(m map[string][]int32) { log.Info("hand partitions assigned", "partitions", m) },
 		Committed: func() {
 			first.Do(func() { log.Info(handFirstCommitLine, "since_start", time.Since(started)) })
 		},

@@ -28,6 +28,11 @@ type HandConfig struct {
 	// Committed, when set, is called after each record's transaction
 	// committed (the chaos worker logs its first).
 	Committed func()
+	// Assigned, when set, is called with the partitions the group assigns
+	// (the chaos worker logs when they arrive).
+	Assigned func(map[string][]int32)
+	// Opts are extra franz-go options.
+	Opts []kgo.Opt
 }
 
 // Hand is the hand-written baseline: franz-go and pgx without oncely's
@@ -71,7 +76,10 @@ func (h *Hand) Run(ctx context.Context) error {
 	if h.cfg.RebalanceTimeout > 0 {
 		opts = append(opts, kgo.RebalanceTimeout(h.cfg.RebalanceTimeout))
 	}
-	cl, err := kgo.NewClient(opts...)
+	if h.cfg.Assigned != nil {
+		opts = append(opts, kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, m map[string][]int32) { h.cfg.Assigned(m) }))
+	}
+	cl, err := kgo.NewClient(append(opts, h.cfg.Opts...)...)
 	if err != nil {
 		return err
 	}
