@@ -722,7 +722,9 @@ func report(o options, rs []*runResult) {
 			r.elapsed.Seconds(), r.rate(), r.kills, st.counted, sec(st.p50), sec(st.p90), sec(st.max), status)
 	}
 	_ = tw.Flush()
-	fmt.Println("\norders/s: orders over the time from the first produce to the insert of the last order's row (SQL). " +
+	fmt.Printf("\nproduction rate: %.0f orders/s (%d orders over %s); a run at about that rate kept pace with production and "+
+		"its ratios to slower runs are bounded by it.\n", float64(o.orders)/o.over.Seconds(), o.orders, o.over)
+	fmt.Println("orders/s: orders over the time from the first produce to the insert of the last order's row (SQL). " +
 		"first commit: from a restarted process's start to the insert of its first committed order row (SQL, application_name); " +
 		"restarts committing: restarts whose process committed a record / restarts.")
 
