@@ -286,23 +286,24 @@ type Check struct {
 func (s *Store) Verify(ctx context.Context, db DBTX, want int64) (Check, error) {
 	var c Check
 	t := func(name string) string { return pgx.Identifier{s.schema, name}.Sanitize() }
+	events := []any{EventsTopic}
 	qs := []struct {
-		sql  string
-		dest []any
+		sql        string
+		args, dest []any
 	}{
-		{`SELECT count(*), count(DISTINCT order_id) FROM ` + t("orders"), []any{&c.Orders, &c.DistinctOrders}},
-		{`SELECT count(*) FROM ` + t("inbox"), []any{&c.Inbox}},
+		{`SELECT count(*), count(DISTINCT order_id) FROM ` + t("orders"), nil, []any{&c.Orders, &c.DistinctOrders}},
+		{`SELECT count(*) FROM ` + t("inbox"), nil, []any{&c.Inbox}},
 		{`SELECT count(*) FROM ` + t("customer_balances") + ` b FULL JOIN
 			(SELECT customer_id, sum(amount_cents) AS s, count(*) AS n FROM ` + t("orders") + ` GROUP BY 1) o USING (customer_id)
-			WHERE b.balance_cents IS DISTINCT FROM o.s OR b.order_count IS DISTINCT FROM o.n`, []any{&c.BadBalances}},
+			WHERE b.balance_cents IS DISTINCT FROM o.s OR b.order_count IS DISTINCT FROM o.n`, nil, []any{&c.BadBalances}},
 		{`SELECT count(*), count(DISTINCT convert_from(value, 'UTF8')::jsonb->>'order_id') FROM ` + t("outbox") +
-			` WHERE topic = '` + EventsTopic + `'`, []any{&c.Events, &c.DistinctEventOrders}},
+			` WHERE topic = $1`, events, []any{&c.Events, &c.DistinctEventOrders}},
 		{`SELECT count(*) FROM (SELECT key, count(*) AS n, count(DISTINCT seq) AS d, min(seq) AS lo, max(seq) AS hi
 			FROM (SELECT key, (convert_from(value, 'UTF8')::jsonb->>'seq')::bigint AS seq FROM ` + t("outbox") +
-			` WHERE topic = '` + EventsTopic + `') e GROUP BY key) k WHERE n <> d OR lo <> 1 OR hi <> n`, []any{&c.BadSeqs}},
+			` WHERE topic = $1) e GROUP BY key) k WHERE n <> d OR lo <> 1 OR hi <> n`, events, []any{&c.BadSeqs}},
 	}
 	for _, q := range qs {
-		if err := db.QueryRow(ctx, q.sql).Scan(q.dest...); err != nil {
+		if err := db.QueryRow(ctx, q.sql, q.args...).Scan(q.dest...); err != nil {
 			return c, fmt.Errorf("verify: %w", err)
 		}
 	}
