@@ -754,7 +754,11 @@ func report(o options, rs []*runResult) {
 			return 0, ""
 		}
 		slices.Sort(vs)
-		return vs[(len(vs)-1)/2], strings.Join(each, " ")
+		med := vs[len(vs)/2]
+		if len(vs)%2 == 0 {
+			med = (vs[len(vs)/2-1] + med) / 2
+		}
+		return med, strings.Join(each, " ")
 	}
 	line := func(name string, target float64, a, b []float64) {
 		v, each := ratio(a, b)
