@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -53,8 +54,9 @@ func TestMessageID(t *testing.T) {
 }
 
 // FuzzMessageID: whatever the headers, the dedup id is the first non-empty
-// message-id header when there is one, else topic/partition/offset; it is
-// never empty and never longer than MaxMessageIDLen (longer ids are errors).
+// message-id header (in any casing) when there is one, else
+// topic/partition/offset; it is never empty, never longer than
+// MaxMessageIDLen, and always UTF-8 without NUL (other ids are errors).
 func FuzzMessageID(f *testing.F) {
 	f.Add("message-id", "m-1", "other", "x", int64(3))
 	f.Add("message-id", "", "message-id", "second", int64(0))
@@ -68,12 +70,12 @@ func FuzzMessageID(f *testing.F) {
 		id, err := c.messageID(rec)
 		want := fmt.Sprintf("t/1/%d", off)
 		switch {
-		case k1 == "message-id" && v1 != "":
+		case strings.EqualFold(k1, "message-id") && v1 != "":
 			want = v1
-		case k2 == "message-id" && v2 != "":
+		case strings.EqualFold(k2, "message-id") && v2 != "":
 			want = v2
 		}
-		if len(want) > MaxMessageIDLen {
+		if len(want) > MaxMessageIDLen || !utf8.ValidString(want) || strings.Contains(want, "\x00") {
 			if err == nil {
 				t.Fatalf("id of %d bytes accepted", len(want))
 			}
