@@ -9,6 +9,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/internal/pending"
 )
 
 // pop takes the next buffered record without waiting, resuming the
@@ -279,6 +280,9 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 	var batchIdx []int   // their indexes in recs
 	failedKeys := make(map[string]bool)
 	rtx := &recordTx{Tx: tx}
+	// What the handlers enqueue to the outbox is written once, before
+	// the commit (package pending): a round trip a record less.
+	var queue pending.Queue
 	for i, rec := range recs {
 		switch {
 		case !claimed[i]:
@@ -299,7 +303,8 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 			continue
 		}
 		rtx.next()
-		herr := callHandler(sctx, c.handler, rtx, msgs[i])
+		mark := queue.Len()
+		herr := callHandler(pending.With(sctx, &queue), c.handler, rtx, msgs[i])
 		if rtx.err != nil {
 			// The savepoint failed: the database went away, or the
 			// transaction was aborted by a statement an earlier handler
@@ -331,6 +336,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 			}
 		}
 		rtx.done()
+		queue.Truncate(mark)
 		if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
 			return outs, err, databaseFailed(err)
 		}
@@ -353,6 +359,9 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 			}
 			outs[i].err, outs[i].contention = msg.failed, isContention(msg.failed)
 		}
+	}
+	if err := queue.Write(ctx, tx); err != nil {
+		return outs, err, databaseFailed(err)
 	}
 	committing = true // a failed Commit ends the transaction too
 	if err := tx.Commit(ctx); err != nil {

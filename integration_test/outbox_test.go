@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -376,5 +377,49 @@ func TestHandlerEventsFollowItsTransaction(t *testing.T) {
 			t.Logf("event %s: %s", r.Key, r.Value)
 		}
 		t.Fatal("want exactly the committed attempt's event, then the marker")
+	}
+}
+
+// TestBatchHandlersEventsFollowTheirRecords: in a batch, the events each
+// record's handler enqueues are written with the batch (in batch mode, in
+// one statement before it commits): a record that fails after enqueuing
+// takes its event with it, and every record's event is published once, in
+// the records' order. In every consumer mode.
+func TestBatchHandlersEventsFollowTheirRecords(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	events := e.kafka.CreateTopic(t, "events", 1)
+	ob := e.outbox(t)
+	var failed atomic.Bool
+	cfg := e.config("a", func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if _, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: events, Key: []byte("k"), Value: []byte(msg.ID)}); err != nil {
+			return err
+		}
+		if msg.ID == "o-7" && failed.CompareAndSwap(false, true) {
+			return errors.New("fails once after enqueuing")
+		}
+		return recordEffect("a")(ctx, tx, msg)
+	})
+	const n = 20
+	var msgs []msg
+	for i := range n {
+		msgs = append(msgs, msg{id: "o-" + itoa(i), key: "k"})
+	}
+	e.produce(t, msgs) // all there before the consumer starts: one batch in batch mode
+	e.startRelay(ctx, t, nil)
+	c := e.start(ctx, cfg)
+	eventually(t, time.Minute, "handled", func() bool { return c.c.Stats().Processed == n })
+	recs := e.readTopic(t, events, func(r []*kgo.Record) bool { return len(r) >= n })
+	var got []string
+	for _, r := range recs {
+		got = append(got, string(r.Value))
+	}
+	var want []string
+	for _, m := range msgs {
+		want = append(want, m.id)
+	}
+	if strings.Join(got, ",") != strings.Join(want, ",") {
+		t.Fatalf("events %v; want each record's once, in order: %v", got, want)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/oncely/oncely/internal/pending"
 	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/telemetry"
 )
@@ -111,55 +112,100 @@ type Enqueued struct {
 
 // Enqueue stores msgs in the caller's transaction, in order, in one round
 // trip, and returns their message ids. Each message gets a UUIDv7
-// message-id header and, when ctx carries a span, the W3C trace context.
-// The messages are published after tx commits; if it rolls back, nothing is.
+// message-id header and, when ctx (or the message's Context) carries a span,
+// the W3C trace context. The messages are published after tx commits; if it
+// rolls back, nothing is.
 //
 // Enqueue waits while another open transaction has enqueued a message with
 // one of the same (topic, key) pairs: that is what keeps per-key order equal
 // to commit order. Keep enqueuing transactions short.
+//
+// Inside a consumer batch (a consumer.Handler run in batch mode), messages
+// without an ID are not sent at once: their ids and shards are assigned now,
+// and they are written with those of the batch's other records, in one
+// statement, just before the batch commits, their per-key locks taken then
+// in sorted order. A record whose handler fails takes its messages with it.
+// Messages with an ID are written at once, so that Duplicate can be told.
 func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) ([]Enqueued, error) {
 	if len(msgs) == 0 {
 		return nil, nil
 	}
-	n := len(msgs)
-	var (
-		ids          = make([]string, n)
-		topics       = make([]string, n)
-		keys, values = make([][]byte, n), make([][]byte, n)
-		shards       = make([]int32, n)
-		hstart, hend = make([]int32, n), make([]int32, n)
-		locks        []int64
-		hkeys        []string
-		hvals        [][]byte
-		out          = make([]Enqueued, n)
-	)
+	q := pending.From(ctx)
+	for _, m := range msgs {
+		if m.ID != "" {
+			q = nil
+		}
+	}
+	rows, out, err := o.prepare(ctx, msgs)
+	if err != nil {
+		return nil, err
+	}
+	if q != nil {
+		for _, r := range rows {
+			q.Add(o, r)
+		}
+		return out, nil
+	}
+	stored, err := o.write(ctx, tx, rows)
+	if err != nil {
+		return nil, err
+	}
+	for i := range out {
+		out[i].Duplicate = !stored[out[i].MessageID]
+		delete(stored, out[i].MessageID) // a repeat within the call is a duplicate
+	}
+	return out, nil
+}
+
+// WritePending writes the messages Enqueue queued in a consumer batch.
+func (o *Outbox) WritePending(ctx context.Context, tx pgx.Tx, items []any) error {
+	rows := make([]*row, len(items))
+	for i, it := range items {
+		rows[i] = it.(*row)
+	}
+	_, err := o.write(ctx, tx, rows)
+	return err
+}
+
+// row is a message ready to be written.
+type row struct {
+	id, topic  string
+	key, value []byte
+	shard      int32
+	lock       int64 // 0: no key, no lock
+	hkeys      []string
+	hvals      [][]byte
+}
+
+// prepare checks msgs and turns them into rows: ids assigned, shards and
+// lock ids computed, headers (message id, trace context) added.
+func (o *Outbox) prepare(ctx context.Context, msgs []Message) ([]*row, []Enqueued, error) {
+	rows, out := make([]*row, len(msgs)), make([]Enqueued, len(msgs))
 	traceparent, tracestate := telemetry.TraceContext(ctx)
 	carrier := map[string]string{"traceparent": traceparent, "tracestate": tracestate}
 	for i, m := range msgs {
 		if m.Topic == "" {
-			return nil, fmt.Errorf("outbox: enqueue: message %d has no topic", i)
+			return nil, nil, fmt.Errorf("outbox: enqueue: message %d has no topic", i)
 		}
 		id := m.ID
 		if id == "" {
 			u, err := uuid.NewV7()
 			if err != nil {
-				return nil, fmt.Errorf("outbox: enqueue: message id: %w", err)
+				return nil, nil, fmt.Errorf("outbox: enqueue: message id: %w", err)
 			}
 			id = u.String()
 		} else if len(id) > MaxIDLen {
-			return nil, fmt.Errorf("outbox: enqueue: message %d: id of %d bytes exceeds %d", i, len(id), MaxIDLen)
+			return nil, nil, fmt.Errorf("outbox: enqueue: message %d: id of %d bytes exceeds %d", i, len(id), MaxIDLen)
 		}
-		h := keyHash(m.Topic, m.Key)
-		ids[i], topics[i], keys[i], values[i] = id, m.Topic, m.Key, m.Value
+		r := &row{id: id, topic: m.Topic, key: m.Key, value: m.Value}
 		if m.Key != nil {
-			shards[i] = int32(h % uint64(o.shards))
-			locks = append(locks, lockID(o.schema, m.Topic, m.Key))
+			r.shard = int32(keyHash(m.Topic, m.Key) % uint64(o.shards))
+			r.lock = lockID(o.schema, m.Topic, m.Key)
 		} else {
-			shards[i] = int32(fnvString(id) % uint64(o.shards)) // no order to keep: spread
+			r.shard = int32(fnvString(id) % uint64(o.shards)) // no order to keep: spread
 		}
-		out[i] = Enqueued{MessageID: id, Shard: int(shards[i])}
-		hstart[i] = int32(len(hkeys) + 1) // SQL arrays count from 1
-		add := func(k string, v []byte) { hkeys, hvals = append(hkeys, k), append(hvals, v) }
+		out[i] = Enqueued{MessageID: id, Shard: int(r.shard)}
+		add := func(k string, v []byte) { r.hkeys, r.hvals = append(r.hkeys, k), append(r.hvals, v) }
 		add(MessageIDHeader, []byte(id))
 		tc := carrier
 		if m.Context != nil {
@@ -173,10 +219,37 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) ([]Enq
 		}
 		for _, hd := range m.Headers {
 			if hd.Key == MessageIDHeader {
-				return nil, fmt.Errorf("outbox: enqueue: message %d sets the %s header, which the outbox assigns", i, MessageIDHeader)
+				return nil, nil, fmt.Errorf("outbox: enqueue: message %d sets the %s header, which the outbox assigns", i, MessageIDHeader)
 			}
 			add(hd.Key, hd.Value)
 		}
+		rows[i] = r
+	}
+	return rows, out, nil
+}
+
+// write inserts rows in one round trip: the per-key locks (sorted), the
+// multi-row insert, the notification. It returns the ids it stored (not
+// those already in the outbox).
+func (o *Outbox) write(ctx context.Context, tx pgx.Tx, rows []*row) (map[string]bool, error) {
+	n := len(rows)
+	var (
+		ids          = make([]string, n)
+		topics       = make([]string, n)
+		keys, values = make([][]byte, n), make([][]byte, n)
+		shards       = make([]int32, n)
+		hstart, hend = make([]int32, n), make([]int32, n)
+		locks        []int64
+		hkeys        []string
+		hvals        [][]byte
+	)
+	for i, r := range rows {
+		ids[i], topics[i], keys[i], values[i], shards[i] = r.id, r.topic, r.key, r.value, r.shard
+		if r.key != nil {
+			locks = append(locks, r.lock)
+		}
+		hstart[i] = int32(len(hkeys) + 1) // SQL arrays count from 1
+		hkeys, hvals = append(hkeys, r.hkeys...), append(hvals, r.hvals...)
 		hend[i] = int32(len(hkeys))
 	}
 	b := &pgx.Batch{}
@@ -193,11 +266,7 @@ func (o *Outbox) Enqueue(ctx context.Context, tx pgx.Tx, msgs ...Message) ([]Enq
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, fmt.Errorf("outbox: enqueue: %w", err)
 	}
-	for i := range out {
-		out[i].Duplicate = !stored[out[i].MessageID]
-		delete(stored, out[i].MessageID) // a repeat within the call is a duplicate
-	}
-	return out, nil
+	return stored, nil
 }
 
 // lockID is the advisory lock that serializes the enqueuers of one (topic,
