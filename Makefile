@@ -7,7 +7,7 @@ GO ?= go
 TEST_FLAGS ?= -race -count=1 -timeout 20m
 FUZZTIME ?= 30s
 
-.PHONY: demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-outbox lint vet fmt-check
+.PHONY: demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -56,12 +56,30 @@ test-containers:
 fuzz:
 	FUZZTIME=$(FUZZTIME) GO=$(GO) scripts/fuzz.sh
 
-## bench: the consumer against a raw-SQL ceiling, a naive at-least-once consumer and
-## Watermill, in one run (kfake and DATABASE_URL), with the ratios and the targets of
-## docs/BENCHMARKS.md. The nested module bench/ keeps Watermill and Sarama out of
-## go.mod. Flags through BENCH_FLAGS, e.g. BENCH_FLAGS='-modes oncely,batch -n 5000'.
-bench:
+## bench: both workloads, one after the other (docs/BENCHMARKS.md). The nested module
+## bench/ keeps Watermill and Sarama out of go.mod.
+bench: bench-uncontended bench-contended
+
+## bench-uncontended: each key's rows on one partition: the consumer against a raw-SQL
+## ceiling, a naive at-least-once consumer and Watermill, in one run (kfake and
+## DATABASE_URL), with the ratios and the targets. Flags through BENCH_FLAGS, e.g.
+## BENCH_FLAGS='-modes oncely,batch -n 5000'.
+bench-uncontended:
 	cd bench && $(GO) run . $(BENCH_FLAGS)
+
+## bench-contended: orders keyed by order id over 6 partitions, 50 customers, the
+## orderworker's effects: a hand-written per-record worker, oncely per-record, batch
+## with a per-record Handler, the example's BatchHandler and key parallelism, each
+## with 1 and 3 members, and the set-based raw-SQL ceiling (docs/BENCHMARKS.md).
+## Flags through CONTENDED_FLAGS, e.g. CONTENDED_FLAGS='-rounds 1 -members 1'.
+bench-contended:
+	cd bench && $(GO) run . -workload contended $(CONTENDED_FLAGS)
+
+## bench-chaos: the example's default and the hand-written worker, 3 processes each,
+## one killed every 1.5 s while 30,000 orders arrive over 10 s; rates beside the
+## no-chaos rates and each restart's time to its first commit. Flags: CHAOS_FLAGS.
+bench-chaos:
+	cd bench && $(GO) run ./chaos $(CHAOS_FLAGS)
 
 ## bench-outbox: the outbox relay against a raw-SQL ceiling, in one run, with the ratio
 bench-outbox:
