@@ -138,7 +138,9 @@ type Config struct {
 	// Ids must be unique among the group's live members. Default: dynamic.
 	InstanceID string
 	// SessionTimeout is how long the group waits for a silent member before
-	// moving its partitions. Default 10s.
+	// moving its partitions. The member heartbeats every
+	// min(1s, SessionTimeout/3); a rebalance (a member joining or
+	// restarting) completes at the other members' next heartbeat. Default 10s.
 	SessionTimeout time.Duration
 	// RebalanceTimeout bounds how long a rebalance waits for members to
 	// rejoin. Default 30s.

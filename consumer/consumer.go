@@ -187,8 +187,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.BlockRebalanceOnPoll(),
 		kgo.Balancers(kgo.CooperativeStickyBalancer()),
 		kgo.SessionTimeout(c.cfg.SessionTimeout),
-		// Three heartbeats per session: a short session stays alive.
-		kgo.HeartbeatInterval(min(3*time.Second, c.cfg.SessionTimeout/3)),
+		// A rebalance (a member joining, or restarting) completes once every
+		// member has rejoined, which it does at its next heartbeat: a short
+		// interval makes restarts cheap. Three per session at least, so
+		// that a short session stays alive.
+		kgo.HeartbeatInterval(min(time.Second, c.cfg.SessionTimeout/3)),
 		kgo.RebalanceTimeout(c.cfg.RebalanceTimeout),
 		kgo.OnPartitionsAssigned(r.onAssigned),
 		kgo.OnPartitionsRevoked(r.onRevoked),
