@@ -344,13 +344,14 @@ func (s *store) apply(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o O
 	if err := o.validate(); err != nil {
 		return dlq.Permanent(fmt.Errorf("orderworker: record %s/%d/%d: %w", msg.Topic, msg.Partition, msg.Offset, err))
 	}
-	if _, err := tx.Exec(ctx, s.insertOrder,
-		o.OrderID, o.CustomerID, o.AmountCents, msg.ID, msg.Topic, msg.Partition, msg.Offset); err != nil {
-		return fmt.Errorf("orderworker: insert order %s: %w", o.OrderID, err)
-	}
+	// The order row and the balance in one round trip (a pgx.Batch: the
+	// statements run in order, in tx).
 	var seq int64
-	if err := tx.QueryRow(ctx, s.addToBalance, o.CustomerID, o.AmountCents).Scan(&seq); err != nil {
-		return fmt.Errorf("orderworker: add to balance of %s: %w", o.CustomerID, err)
+	b := &pgx.Batch{}
+	b.Queue(s.insertOrder, o.OrderID, o.CustomerID, o.AmountCents, msg.ID, msg.Topic, msg.Partition, msg.Offset)
+	b.Queue(s.addToBalance, o.CustomerID, o.AmountCents).QueryRow(func(row pgx.Row) error { return row.Scan(&seq) })
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("orderworker: insert order %s and add to the balance of %s: %w", o.OrderID, o.CustomerID, err)
 	}
 	value, err := json.Marshal(OrderAccepted{Order: o, Seq: seq})
 	if err != nil {

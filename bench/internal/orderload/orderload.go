@@ -187,13 +187,13 @@ func (s *Store) HandClaim(ctx context.Context, tx pgx.Tx, group string, src Sour
 // Apply is the example's per-record handler: the order row, the balance
 // upsert (whose order_count is the event's seq), the order.accepted event.
 func (s *Store) Apply(ctx context.Context, tx pgx.Tx, o Order, src Source) error {
-	if _, err := tx.Exec(ctx, s.insertOrder,
-		o.OrderID, o.CustomerID, o.AmountCents, src.MessageID, src.Topic, src.Partition, src.Offset); err != nil {
-		return fmt.Errorf("insert order %s: %w", o.OrderID, err)
-	}
+	// As the example: the order row and the balance in one round trip.
 	var seq int64
-	if err := tx.QueryRow(ctx, s.addToBalance, o.CustomerID, o.AmountCents).Scan(&seq); err != nil {
-		return fmt.Errorf("add to balance of %s: %w", o.CustomerID, err)
+	b := &pgx.Batch{}
+	b.Queue(s.insertOrder, o.OrderID, o.CustomerID, o.AmountCents, src.MessageID, src.Topic, src.Partition, src.Offset)
+	b.Queue(s.addToBalance, o.CustomerID, o.AmountCents).QueryRow(func(row pgx.Row) error { return row.Scan(&seq) })
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("insert order %s and add to balance of %s: %w", o.OrderID, o.CustomerID, err)
 	}
 	return s.enqueue(ctx, tx, []Order{o}, []int64{seq})
 }
