@@ -3,6 +3,7 @@ package outbox
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"time"
@@ -184,8 +185,8 @@ func (o *Outbox) prepare(ctx context.Context, msgs []Message) ([]*row, []Enqueue
 	traceparent, tracestate := telemetry.TraceContext(ctx)
 	carrier := map[string]string{"traceparent": traceparent, "tracestate": tracestate}
 	for i, m := range msgs {
-		if m.Topic == "" {
-			return nil, nil, fmt.Errorf("outbox: enqueue: message %d has no topic", i)
+		if err := ValidateTopic(m.Topic); err != nil {
+			return nil, nil, fmt.Errorf("outbox: enqueue: message %d: %w", i, err)
 		}
 		id := m.ID
 		if id == "" {
@@ -308,11 +309,38 @@ func keyHash(topic string, key []byte) uint64 {
 	return h.Sum64() >> 1 // fits a bigint without sign games
 }
 
+// MaxTopicLen is the longest topic name Kafka accepts.
+const MaxTopicLen = 249
+
+// ValidateTopic reports why Kafka would refuse topic as a topic name: it
+// must be 1 to 249 characters of ASCII letters, digits, '.', '_' and '-',
+// and neither "." nor "..". Enqueue refuses such messages at once, since no
+// broker would ever accept them.
+func ValidateTopic(topic string) error {
+	switch {
+	case topic == "":
+		return errors.New("no topic")
+	case len(topic) > MaxTopicLen:
+		return fmt.Errorf("topic name of %d bytes exceeds %d", len(topic), MaxTopicLen)
+	case topic == "." || topic == "..":
+		return fmt.Errorf("topic name %q is not allowed", topic)
+	}
+	for _, c := range []byte(topic) {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return fmt.Errorf("topic name %q has a character Kafka does not allow (want ASCII letters, digits, '.', '_', '-')", topic)
+		}
+	}
+	return nil
+}
+
 // Status is the outbox's backlog.
 type Status struct {
+	// Pending rows wait to be published; rows held behind a parked row of
+	// their (topic, key) count here.
 	Pending       int64
 	OldestPending time.Duration // age of the oldest pending message (database time); 0 when none
 	Sent          int64         // sent rows not yet removed by retention
+	Parked        int64         // rows the broker refused for good, waiting for Retry or Discard
 }
 
 // DBTX is a connection, pool or transaction.
@@ -326,10 +354,11 @@ func (o *Outbox) Status(ctx context.Context, db DBTX) (Status, error) {
 	var s Status
 	var oldest *time.Duration
 	err := db.QueryRow(ctx, `SELECT
-		count(*) FILTER (WHERE sent_at IS NULL),
-		now() - min(created_at) FILTER (WHERE sent_at IS NULL),
-		count(*) FILTER (WHERE sent_at IS NOT NULL)
-		FROM `+o.table).Scan(&s.Pending, &oldest, &s.Sent)
+		count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL),
+		now() - min(created_at) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL),
+		count(*) FILTER (WHERE sent_at IS NOT NULL),
+		count(*) FILTER (WHERE parked_at IS NOT NULL AND sent_at IS NULL)
+		FROM `+o.table).Scan(&s.Pending, &oldest, &s.Sent, &s.Parked)
 	if err != nil {
 		return s, fmt.Errorf("outbox: status: %w", err)
 	}

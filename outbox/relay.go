@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -78,13 +79,14 @@ type Relay struct {
 	sent    metric.Int64Counter
 	pending metric.Int64ObservableGauge
 	oldest  metric.Float64ObservableGauge
+	parkedG metric.Int64ObservableGauge
 
-	published, batches, produceErrs, deleted atomic.Int64
-	running, dbDown                          atomic.Bool
+	published, batches, produceErrs, deleted, parked atomic.Int64
+	running, dbDown                                  atomic.Bool
 }
 
 type relayQueries struct {
-	shards, lock, selectBatch, markSent string
+	shards, lock, selectBatch, markSent, park string
 }
 
 // RelayStats are a relay's counters.
@@ -93,6 +95,7 @@ type RelayStats struct {
 	Batches       int64 // shard transactions that published rows
 	ProduceErrors int64 // failed batch produces (rows stayed pending)
 	Deleted       int64 // sent rows removed by retention
+	Parked        int64 // rows this relay parked (the broker refused them for good)
 }
 
 // NewRelay validates cfg and returns a Relay.
@@ -149,19 +152,28 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		metric.WithDescription("Outbox rows not yet published."))
 	oldest, err3 := meter.Float64ObservableGauge("oncely.outbox.oldest_pending_age", metric.WithUnit("s"),
 		metric.WithDescription("Age of the oldest unpublished outbox row: the relay's lag."))
-	if err := errors.Join(err1, err2, err3); err != nil {
+	parked, err4 := meter.Int64ObservableGauge("oncely.outbox.parked", metric.WithUnit("{message}"),
+		metric.WithDescription("Outbox rows the broker refused for good, waiting for `oncely outbox retry` or `discard`; later rows of their keys wait behind them."))
+	if err := errors.Join(err1, err2, err3, err4); err != nil {
 		return nil, fmt.Errorf("outbox: metrics: %w", err)
 	}
 	return &Relay{
 		cfg: cfg, outbox: o,
-		tracer: telemetry.Tracer(cfg.TracerProvider), meter: meter, sent: sent, pending: pending, oldest: oldest,
+		tracer: telemetry.Tracer(cfg.TracerProvider), meter: meter, sent: sent, pending: pending, oldest: oldest, parkedG: parked,
 		backoff: backoff.Policy{Base: cfg.RetryBaseDelay, Max: cfg.RetryMaxDelay},
 		q: relayQueries{
-			shards: `SELECT shard FROM ` + t + ` WHERE sent_at IS NULL GROUP BY shard`,
+			shards: `SELECT shard FROM ` + t + ` WHERE sent_at IS NULL AND parked_at IS NULL GROUP BY shard`,
 			lock:   `SELECT pg_try_advisory_xact_lock(hashtext($1), $2)`,
-			selectBatch: `SELECT id, message_id, topic, key, value, header_keys, header_values FROM ` + t + `
-				WHERE shard = $1 AND sent_at IS NULL ORDER BY id LIMIT $2`,
+			// Rows behind a parked row of their (topic, key) are held back:
+			// publishing them would put them before it.
+			selectBatch: `SELECT id, message_id, topic, key, value, header_keys, header_values FROM ` + t + ` o
+				WHERE shard = $1 AND sent_at IS NULL AND parked_at IS NULL AND NOT EXISTS (
+					SELECT 1 FROM ` + t + ` p WHERE p.shard = $1 AND p.parked_at IS NOT NULL AND p.sent_at IS NULL
+					AND p.id < o.id AND p.topic = o.topic AND p.key = o.key)
+				ORDER BY id LIMIT $2`,
 			markSent: `UPDATE ` + t + ` SET sent_at = now() WHERE id = ANY($1)`,
+			park: `UPDATE ` + t + ` o SET parked_at = now(), error = e.error
+				FROM unnest($1::bigint[], $2::text[]) AS e(id, error) WHERE o.id = e.id`,
 		},
 	}, nil
 }
@@ -169,7 +181,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 // Stats returns the relay's counters.
 func (r *Relay) Stats() RelayStats {
 	return RelayStats{Published: r.published.Load(), Batches: r.batches.Load(),
-		ProduceErrors: r.produceErrs.Load(), Deleted: r.deleted.Load()}
+		ProduceErrors: r.produceErrs.Load(), Deleted: r.deleted.Load(), Parked: r.parked.Load()}
 }
 
 // Ready reports whether Run is publishing and the database answered the
@@ -205,8 +217,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		attrs := metric.WithAttributes(attribute.String("db.namespace", r.outbox.schema))
 		o.ObserveInt64(r.pending, st.Pending, attrs)
 		o.ObserveFloat64(r.oldest, st.OldestPending.Seconds(), attrs)
+		o.ObserveInt64(r.parkedG, st.Parked, attrs)
 		return nil
-	}, r.pending, r.oldest); err == nil {
+	}, r.pending, r.oldest, r.parkedG); err == nil {
 		defer func() { _ = reg.Unregister() }()
 	}
 
@@ -317,8 +330,9 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 
 // publishShard publishes up to BatchSize pending rows of shard in id order,
 // holding the shard's advisory lock, and marks them sent in the same
-// transaction after the broker acknowledged them. It returns 0 when another
-// relay holds the shard.
+// transaction after the broker acknowledged them. Rows the broker refused
+// for good are parked in the same transaction (see produce). It returns the
+// rows settled (0 when another relay holds the shard).
 func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay, shard int) (int, error) {
 	tx, err := r.cfg.Pool.Begin(ctx)
 	if err != nil {
@@ -368,44 +382,214 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 	if err != nil || len(recs) == 0 {
 		return 0, err
 	}
-	spans := make([]trace.Span, len(recs))
-	for i, rec := range recs {
-		spans[i] = r.startSend(ctx, rec)
+	ok, park, err := r.produce(ctx, cl, ids, recs)
+	if len(ok) == 0 && len(park) == 0 {
+		return 0, err
 	}
-	pctx, cancel := context.WithTimeout(ctx, r.cfg.ProduceTimeout)
-	results := cl.ProduceSync(pctx, recs...)
-	cancel()
-	for i, res := range results {
-		attrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingDestination.String(recs[i].Topic)}
-		if res.Err != nil {
-			telemetry.Fail(spans[i], res.Err, "produce")
-			attrs = append(attrs, telemetry.ErrorType.String("produce"))
-		} else {
-			spans[i].SetAttributes(telemetry.MessagingPartition.String(strconv.FormatInt(int64(res.Record.Partition), 10)),
-				telemetry.MessagingKafkaOffset.Int64(res.Record.Offset))
-		}
-		spans[i].End()
-		r.sent.Add(ctx, 1, metric.WithAttributes(attrs...))
-	}
-	if err := results.FirstErr(); err != nil {
-		r.produceErrs.Add(1)
-		return 0, fmt.Errorf("produce %d records: %w", len(recs), err)
+	if err != nil {
+		// Transient: the rows left stay pending; keep what was settled.
+		r.cfg.Logger.Warn("oncely outbox: produce failed part-way; the rest of the batch stays pending",
+			"shard", shard, "settled", len(ok)+len(park), "err", err)
 	}
 	if h := hooks.AfterProduce; h != nil {
-		if err := h(len(recs)); err != nil {
+		if err := h(len(ok)); err != nil {
 			return 0, err
 		}
 	}
-	if _, err := tx.Exec(ctx, r.q.markSent, ids); err != nil {
+	if _, err := tx.Exec(ctx, r.q.markSent, ok); err != nil {
 		return 0, fmt.Errorf("mark sent: %w", err)
+	}
+	if len(park) > 0 {
+		pids, perrs := make([]int64, 0, len(park)), make([]string, 0, len(park))
+		for i, e := range park {
+			pids, perrs = append(pids, ids[i]), append(perrs, e.Error())
+		}
+		if _, err := tx.Exec(ctx, r.q.park, pids, perrs); err != nil {
+			return 0, fmt.Errorf("park: %w", err)
+		}
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return 0, fmt.Errorf("commit: %w", err)
 	}
-	r.published.Add(int64(len(recs)))
+	for i, e := range park {
+		rec := recs[i]
+		r.cfg.Logger.Error("oncely outbox: row parked: the broker will not accept it; later rows of its key wait behind it "+
+			"(oncely outbox parked|retry|discard)", "id", ids[i], "message_id", (telemetry.Carrier{Headers: &rec.Headers}).Get(MessageIDHeader),
+			"topic", rec.Topic, "shard", shard, "bytes", recordBytes(rec), "err", e)
+	}
+	r.published.Add(int64(len(ok)))
+	r.parked.Add(int64(len(park)))
 	r.batches.Add(1)
+	if err != nil {
+		return len(ok) + len(park), err
+	}
 	return len(recs), nil
 }
+
+// produce publishes recs (rows ids, in id order) and returns the ids the
+// broker acknowledged and, by index, the rows to park with their reason.
+// Rows after a parked row of their (topic, key) are in neither: they stay
+// pending, held back (order is kept). err is a transient failure: the rows
+// it touched stay pending too, and the shard backs off.
+//
+// A row is parked when Kafka refuses it for a reason retrying cannot change
+// (see permanent): the client's own size limit and an invalid topic name are
+// checked before producing; after a batch in which every failure was
+// permanent, each failed row is produced again on its own, so that only the
+// culprit is parked and rows that shared its Kafka batch go through.
+func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs []*kgo.Record) (ok []int64, park map[int]error, err error) {
+	park = map[int]error{}
+	blocked := map[string]bool{} // (topic, key) of rows parked in this batch
+	held := func(i int) bool { return recs[i].Key != nil && blocked[keyOf(recs[i])] }
+	doPark := func(i int, err error) {
+		park[i] = err
+		if recs[i].Key != nil {
+			blocked[keyOf(recs[i])] = true
+		}
+	}
+	var send []int
+	for i, rec := range recs {
+		if held(i) {
+			continue
+		}
+		if err := r.refuse(cl, rec); err != nil {
+			doPark(i, err)
+			continue
+		}
+		send = append(send, i)
+	}
+	results := r.send(ctx, cl, recs, send)
+	var failed []int
+	for j, res := range results {
+		if res.Err == nil {
+			ok = append(ok, ids[send[j]])
+			continue
+		}
+		failed = append(failed, send[j])
+		if err == nil && !permanent(res.Err) {
+			err = res.Err
+		}
+	}
+	if len(failed) > 0 {
+		r.produceErrs.Add(1)
+	}
+	if err != nil {
+		// Something transient: nothing is parked on this attempt, nothing
+		// is settled but what went through (its same-key successors are
+		// republished with it; downstream inboxes dedup them).
+		return nil, nil, fmt.Errorf("produce %d records: %w", len(send), err)
+	}
+	for _, i := range failed { // in id order
+		if held(i) {
+			continue
+		}
+		res := r.send(ctx, cl, recs, []int{i})[0]
+		switch {
+		case res.Err == nil:
+			ok = append(ok, ids[i])
+		case permanent(res.Err):
+			doPark(i, res.Err)
+		default:
+			r.produceErrs.Add(1)
+			return ok, park, fmt.Errorf("produce 1 record: %w", res.Err)
+		}
+	}
+	return ok, park, nil
+}
+
+// send produces recs[idx...] in one call, with a PRODUCER span each.
+func (r *Relay) send(ctx context.Context, cl *kgo.Client, recs []*kgo.Record, idx []int) kgo.ProduceResults {
+	if len(idx) == 0 {
+		return nil
+	}
+	batch := make([]*kgo.Record, len(idx))
+	spans := make([]trace.Span, len(idx))
+	for j, i := range idx {
+		recs[i].Context = nil // a record produced before keeps the ended context of that produce
+		batch[j] = recs[i]
+		spans[j] = r.startSend(ctx, recs[i])
+	}
+	pctx, cancel := context.WithTimeout(ctx, r.cfg.ProduceTimeout)
+	results := cl.ProduceSync(pctx, batch...)
+	cancel()
+	for j, res := range results {
+		attrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingDestination.String(batch[j].Topic)}
+		if res.Err != nil {
+			telemetry.Fail(spans[j], res.Err, "produce")
+			attrs = append(attrs, telemetry.ErrorType.String("produce"))
+		} else {
+			spans[j].SetAttributes(telemetry.MessagingPartition.String(strconv.FormatInt(int64(res.Record.Partition), 10)),
+				telemetry.MessagingKafkaOffset.Int64(res.Record.Offset))
+		}
+		spans[j].End()
+		r.sent.Add(ctx, 1, metric.WithAttributes(attrs...))
+	}
+	return results
+}
+
+// permanent reports whether Kafka refused a record for a reason that lies in
+// the record or its topic and that retrying will not change: too large for
+// the topic or the client, an invalid topic name, no permission to write the
+// topic, a record the topic's policy rejects. Everything else (brokers down,
+// timeouts, leadership moves, a topic still being created) is transient. A
+// missing cluster-level permission (ClusterAuthorizationFailed, e.g. for
+// idempotent writes) concerns the relay, not a row: it is transient too, and
+// the relay backs off with its error in the log rather than parking every row.
+func permanent(err error) bool {
+	for _, e := range []error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidTopicException,
+		kerr.TopicAuthorizationFailed, kerr.InvalidRecord, kerr.PolicyViolation} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// refuse returns why the client or any broker would refuse rec for good,
+// checked before producing: kgo fails a record over its batch limit without
+// sending it, and would send the next record of the same key regardless.
+func (r *Relay) refuse(cl *kgo.Client, rec *kgo.Record) error {
+	if err := ValidateTopic(rec.Topic); err != nil {
+		return fmt.Errorf("%w: %v", kerr.InvalidTopicException, err)
+	}
+	// A single record's batch: the 61-byte batch header, and generous
+	// varint framing for the record and each header.
+	size := recordBytes(rec) + 61 + 64 + 10*int64(len(rec.Headers))
+	limit := int64(maxBatchBytes(cl, rec.Topic))
+	if size > limit {
+		return fmt.Errorf("%w: a record of %d bytes (key, value and headers) does not fit the producer's batch limit of %d bytes",
+			kerr.MessageTooLarge, recordBytes(rec), limit)
+	}
+	return nil
+}
+
+// maxBatchBytes is the client's batch size limit for topic: the smaller of
+// ProducerBatchMaxBytes and BrokerMaxWriteBytes less a produce request's
+// framing (at most 300 bytes with a 249-byte topic name).
+func maxBatchBytes(cl *kgo.Client, topic string) int32 {
+	limit := int32(1_000_012) // kgo's default, Kafka's default max.message.bytes
+	if fn, ok := cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32); ok && fn != nil {
+		limit = fn(topic)
+	}
+	if w, ok := cl.OptValue(kgo.BrokerMaxWriteBytes).(int32); ok && w-300 < limit {
+		limit = w - 300
+	}
+	if b, ok := cl.OptValue(kgo.MaxBufferedBytes).(int64); ok && b > 0 && b < int64(limit) {
+		limit = int32(b)
+	}
+	return limit
+}
+
+// recordBytes is rec's key, value and header bytes.
+func recordBytes(rec *kgo.Record) int64 {
+	n := len(rec.Key) + len(rec.Value)
+	for _, h := range rec.Headers {
+		n += len(h.Key) + len(h.Value)
+	}
+	return int64(n)
+}
+
+func keyOf(rec *kgo.Record) string { return rec.Topic + "\x00" + string(rec.Key) }
 
 // startSend starts rec's "send <topic>" PRODUCER span as a child of the
 // enqueuer's context (stored in the row's traceparent header) and makes the

@@ -1,0 +1,254 @@
+package integration_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/oncely/oncely/outbox"
+)
+
+// oneShard returns an outbox whose messages all land in one shard, and a
+// relay over it: a parked row shares its shard with every other key.
+func (e *env) oneShard(ctx context.Context, t *testing.T, mutate func(*outbox.RelayConfig)) (*outbox.Outbox, *outbox.Relay) {
+	t.Helper()
+	o, err := outbox.New(outbox.Config{Schema: e.db.Schema, Shards: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, _ := e.startRelay(ctx, t, func(c *outbox.RelayConfig) {
+		c.Outbox.Shards = 1
+		if mutate != nil {
+			mutate(c)
+		}
+	})
+	return o, r
+}
+
+func enqueueWith(t *testing.T, ctx context.Context, e *env, o *outbox.Outbox, msgs ...outbox.Message) {
+	t.Helper()
+	if err := pgx.BeginFunc(ctx, e.db.Pool, func(tx pgx.Tx) error {
+		_, err := o.Enqueue(ctx, tx, msgs...)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitDrained waits until o has nothing pending or parked.
+func waitDrained(t *testing.T, e *env, o *outbox.Outbox) {
+	t.Helper()
+	eventually(t, 10*time.Second, "nothing pending or parked", func() bool {
+		st, err := o.Status(context.Background(), e.db.Pool)
+		return err == nil && st.Pending == 0 && st.Parked == 0
+	})
+}
+
+// noise returns n incompressible bytes.
+func noise(n int) []byte {
+	b := make([]byte, n)
+	rng := rand.New(rand.NewPCG(uint64(n), 9))
+	for i := range b {
+		b[i] = byte(rng.Uint32())
+	}
+	return b
+}
+
+// byKey groups the values of recs by key, in topic order.
+func byKey(recs []*kgo.Record) map[string][]string {
+	m := map[string][]string{}
+	for _, r := range recs {
+		v := string(r.Value)
+		if len(v) > 32 {
+			v = fmt.Sprintf("<%d bytes>", len(v))
+		}
+		m[string(r.Key)] = append(m[string(r.Key)], v)
+	}
+	return m
+}
+
+// gauge reads an int64 gauge's value from the reader.
+func (tl *tel) gauge(t *testing.T, name string) (int64, bool) {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := tl.reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == name && len(g.DataPoints) > 0 {
+				return g.DataPoints[0].Value, true
+			}
+		}
+	}
+	return 0, false
+}
+
+// TestRelayParksRowTheBrokerNeverAccepts: one 1.1 MB row among healthy rows
+// of five other keys in the same shard is parked with its error instead of
+// blocking the shard; the five are published, the stats, the gauge, Status
+// and Parked count it; the later row of its key stays unpublished until the
+// parked row is discarded, then flows.
+func TestRelayParksRowTheBrokerNeverAccepts(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	tl := newTel(t)
+	ctx := context.Background()
+	o, relay := e.oneShard(ctx, t, func(c *outbox.RelayConfig) { c.MeterProvider = tl.mp })
+
+	msgs := []outbox.Message{{Topic: e.topic, Key: []byte("big"), Value: noise(1_100_000)}}
+	for i := range 5 {
+		msgs = append(msgs, outbox.Message{Topic: e.topic, Key: []byte(fmt.Sprint("k", i)), Value: []byte("ok")})
+	}
+	msgs = append(msgs, outbox.Message{Topic: e.topic, Key: []byte("big"), Value: []byte("after-big")})
+	enqueueWith(t, ctx, e, o, msgs...)
+
+	eventually(t, time.Minute, "the five healthy rows published and the big one parked", func() bool {
+		s := relay.Stats()
+		return s.Published == 5 && s.Parked == 1
+	})
+	st, err := o.Status(ctx, e.db.Pool)
+	if err != nil || st.Parked != 1 || st.Pending != 1 || st.Sent != 5 {
+		t.Fatalf("status %+v, %v; want 1 parked, 1 pending (held behind it), 5 sent", st, err)
+	}
+	if n, ok := tl.gauge(t, "oncely.outbox.parked"); !ok || n != 1 {
+		t.Errorf("oncely.outbox.parked = %d (reported: %v), want 1", n, ok)
+	}
+	parked, err := o.Parked(ctx, e.db.Pool, 0)
+	if err != nil || len(parked) != 1 {
+		t.Fatalf("parked rows %+v, %v; want 1", parked, err)
+	}
+	p := parked[0]
+	if string(p.Key) != "big" || p.Size < 1_100_000 || p.Held != 1 || p.ParkedAt.IsZero() || !strings.Contains(p.Error, "MESSAGE_TOO_LARGE") {
+		t.Fatalf("parked row %+v; want key big, >= 1.1 MB, 1 held, a time and MESSAGE_TOO_LARGE", p)
+	}
+
+	// A marker of another key, enqueued last, is published: had the held
+	// row been published, it would be on the topic before the marker.
+	enqueueWith(t, ctx, e, o, outbox.Message{Topic: e.topic, Key: []byte("marker"), Value: []byte("m")})
+	recs := e.readTopic(t, e.topic, func(r []*kgo.Record) bool { return len(byKey(r)["marker"]) == 1 })
+	if got := byKey(recs); len(recs) != 6 || len(got["big"]) != 0 {
+		t.Fatalf("published before the discard: %v; want the five healthy rows and the marker, nothing of key big", got)
+	}
+
+	if err := o.Discard(ctx, e.db.Pool, p.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Discard(ctx, e.db.Pool, p.ID); !errors.Is(err, outbox.ErrNotParked) {
+		t.Errorf("second discard: %v, want ErrNotParked", err)
+	}
+	recs = e.readTopic(t, e.topic, func(r []*kgo.Record) bool { return len(byKey(r)["big"]) == 1 })
+	if got := byKey(recs)["big"]; len(got) != 1 || got[0] != "after-big" {
+		t.Fatalf("key big after the discard: %v; want only its later row", got)
+	}
+	waitDrained(t, e, o)
+}
+
+// TestRelayRetryPublishesParkedRowThenItsSuccessors: the topic's
+// max.message.bytes refuses one row; the rows sharing its Kafka batch are
+// published, it is parked, and the rows of its key enqueued with it and
+// after it wait. Once the limit is raised, Retry publishes it and then its
+// successors, in order.
+func TestRelayRetryPublishesParkedRowThenItsSuccessors(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	adm := kadm.NewClient(e.kafka.Client(t))
+	limit := "4096"
+	small, err := adm.CreateTopic(ctx, 1, 1, map[string]*string{"max.message.bytes": &limit}, e.topic+"_small")
+	if err == nil {
+		err = small.Err
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	topic := small.Topic
+	o, relay := e.oneShard(ctx, t, nil)
+
+	var msgs []outbox.Message
+	for i := range 5 {
+		msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint("k", i)), Value: []byte(fmt.Sprint("v", i))})
+	}
+	msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte("b"), Value: noise(8000)},
+		outbox.Message{Topic: topic, Key: []byte("k0"), Value: []byte("v0-2")},
+		outbox.Message{Topic: topic, Key: []byte("b"), Value: []byte("b-2")})
+	enqueueWith(t, ctx, e, o, msgs...)
+	eventually(t, time.Minute, "the six healthy rows published and the big one parked", func() bool {
+		s := relay.Stats()
+		return s.Published == 6 && s.Parked == 1
+	})
+	enqueueWith(t, ctx, e, o, outbox.Message{Topic: topic, Key: []byte("b"), Value: []byte("b-3")})
+	parked, err := o.Parked(ctx, e.db.Pool, 0)
+	if err != nil || len(parked) != 1 || string(parked[0].Key) != "b" || parked[0].Held != 2 || !strings.Contains(parked[0].Error, "MESSAGE_TOO_LARGE") {
+		t.Fatalf("parked %+v, %v; want key b, holding 2 rows, MESSAGE_TOO_LARGE", parked, err)
+	}
+
+	// Retrying with the limit unchanged parks it again, still holding its key.
+	if err := o.Retry(ctx, e.db.Pool, parked[0].ID); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, time.Minute, "parked again", func() bool { return relay.Stats().Parked == 2 })
+	if s := relay.Stats(); s.Published != 6 {
+		t.Fatalf("stats %+v after a retry the broker still refuses: nothing more may be published", s)
+	}
+
+	raised := "2000000"
+	if _, err := adm.AlterTopicConfigs(ctx, []kadm.AlterConfig{{Name: "max.message.bytes", Value: &raised}}, topic); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := o.RetryAll(ctx, e.db.Pool); err != nil || n != 1 {
+		t.Fatalf("retry all: %d, %v; want 1", n, err)
+	}
+	recs := e.readTopic(t, topic, func(r []*kgo.Record) bool { return len(byKey(r)["b"]) >= 3 })
+	got := byKey(recs)
+	if want := []string{"<8000 bytes>", "b-2", "b-3"}; fmt.Sprint(got["b"]) != fmt.Sprint(want) {
+		t.Fatalf("key b on the topic: %v; want %v (the parked row first, then its successors in order)", got["b"], want)
+	}
+	if fmt.Sprint(got["k0"]) != "[v0 v0-2]" {
+		t.Errorf("key k0: %v", got["k0"])
+	}
+	waitDrained(t, e, o)
+}
+
+// TestRelayParksRowsWithAnInvalidTopic: a row stored before Enqueue checked
+// topic names (here written with SQL) is parked as InvalidTopicException
+// before producing; the shard's other rows flow. Enqueue refuses such a
+// topic at once, naming the message.
+func TestRelayParksRowsWithAnInvalidTopic(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	o, relay := e.oneShard(ctx, t, nil)
+	for i, topic := range []string{"", "bad topic", strings.Repeat("t", 250), "..", "café"} {
+		err := pgx.BeginFunc(ctx, e.db.Pool, func(tx pgx.Tx) error {
+			_, err := o.Enqueue(ctx, tx, outbox.Message{Topic: e.topic, Value: []byte("fine")}, outbox.Message{Topic: topic})
+			return err
+		})
+		if err == nil || !strings.Contains(err.Error(), "message 1") {
+			t.Errorf("topic %d %q: Enqueue said %v; want a refusal naming message 1", i, topic, err)
+		}
+	}
+	if _, err := e.db.Pool.Exec(ctx, `INSERT INTO outbox (message_id, topic, key, value, shard) VALUES
+		('m-bad', 'bad topic', 'k', 'x', 0), ('m-bad-2', 'bad topic', 'k', 'y', 0)`); err != nil {
+		t.Fatal(err)
+	}
+	enqueueWith(t, ctx, e, o, outbox.Message{Topic: e.topic, Key: []byte("k"), Value: []byte("good")})
+	eventually(t, time.Minute, "the good row published and the bad one parked", func() bool {
+		s := relay.Stats()
+		return s.Published == 1 && s.Parked == 1
+	})
+	parked, err := o.Parked(ctx, e.db.Pool, 0)
+	if err != nil || len(parked) != 1 || parked[0].MessageID != "m-bad" || !strings.Contains(parked[0].Error, "INVALID_TOPIC_EXCEPTION") || parked[0].Held != 1 {
+		t.Fatalf("parked %+v, %v; want m-bad with INVALID_TOPIC_EXCEPTION, holding m-bad-2", parked, err)
+	}
+}
