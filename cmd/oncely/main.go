@@ -1,12 +1,15 @@
 // Command oncely is the operator CLI: schema migrations, dead-letter
-// inspection and redrive, the outbox backlog, and outbound webhook
-// deliveries.
+// inspection and redrive, the outbox backlog and its parked rows, and
+// outbound webhook deliveries.
 //
 //	oncely migrate up|down|status   [--database-url URL] [--schema oncely] [--to N]
 //	oncely dlq list    --topic T [filters] [--json]
 //	oncely dlq show    --topic T REF...
 //	oncely dlq redrive --topic T [filters] [--ref P/O]... [--to-topic X] [--dry-run] [--database-url URL]
 //	oncely outbox status [--database-url URL] [--schema oncely]
+//	oncely outbox parked [--json] [--limit N]
+//	oncely outbox retry ID...|--all
+//	oncely outbox discard ID...
 //	oncely webhooks redrive (--subscription ID | --all-subscriptions) [--since T] [--until T] [--dry-run]
 //	oncely webhooks status|pause|resume ...
 //
@@ -46,7 +49,7 @@ func usageErr(format string, args ...any) error {
 const usage = `usage:
   oncely migrate up|down|status [flags]
   oncely dlq list|show|redrive [flags]
-  oncely outbox status [flags]
+  oncely outbox status|parked|retry|discard [flags]
   oncely webhooks redrive|status|pause|resume [flags]
 Run "oncely <command> <subcommand> -h" for the flags.
 `
