@@ -6,14 +6,18 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/outbox"
 )
 
@@ -42,6 +46,22 @@ func enqueueWith(t *testing.T, ctx context.Context, e *env, o *outbox.Outbox, ms
 	}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// produceFailed answers pr with the error code that code gives each topic.
+func produceFailed(pr *kmsg.ProduceRequest, code func(kmsg.ProduceRequestTopic) int16) *kmsg.ProduceResponse {
+	resp := pr.ResponseKind().(*kmsg.ProduceResponse)
+	for _, rt := range pr.Topics {
+		st := kmsg.NewProduceResponseTopic()
+		st.Topic, st.TopicID = rt.Topic, rt.TopicID
+		for _, rp := range rt.Partitions {
+			sp := kmsg.NewProduceResponseTopicPartition()
+			sp.Partition, sp.ErrorCode = rp.Partition, code(rt)
+			st.Partitions = append(st.Partitions, sp)
+		}
+		resp.Topics = append(resp.Topics, st)
+	}
+	return resp
 }
 
 // waitDrained waits until o has nothing pending or parked.
@@ -250,5 +270,79 @@ func TestRelayParksRowsWithAnInvalidTopic(t *testing.T) {
 	parked, err := o.Parked(ctx, e.db.Pool, 0)
 	if err != nil || len(parked) != 1 || parked[0].MessageID != "m-bad" || !strings.Contains(parked[0].Error, "INVALID_TOPIC_EXCEPTION") || parked[0].Held != 1 {
 		t.Fatalf("parked %+v, %v; want m-bad with INVALID_TOPIC_EXCEPTION, holding m-bad-2", parked, err)
+	}
+}
+
+// TestRelayParksOnTopicAuthorizationButWaitsOutTransientErrors: the broker
+// answers produces to one topic with TOPIC_AUTHORIZATION_FAILED (a missing
+// ACL) and to another, for a while, with UNKNOWN_TOPIC_OR_PARTITION (as while
+// a topic is being created). The first topic's row is parked, and a row of
+// another topic in the same shard is published after it; the second's is
+// retried, never parked, and published once the broker recovers.
+func TestRelayParksOnTopicAuthorizationButWaitsOutTransientErrors(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	if e.kafka.Cluster == nil {
+		t.Skip("failing produces needs the in-process kfake broker (KAFKA_BROKERS is set)")
+	}
+	ctx := context.Background()
+	denied, settling := testenv.UniqueName("denied"), testenv.UniqueName("settling")
+	deniedID, settlingID := e.kafka.CreateTopicNamed(t, denied, 1), e.kafka.CreateTopicNamed(t, settling, 1)
+	var settled atomic.Bool
+	e.kafka.Cluster.ControlKey(kmsg.Produce.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		e.kafka.Cluster.KeepControl()
+		pr := req.(*kmsg.ProduceRequest)
+		codes := map[string]int16{denied: kerr.TopicAuthorizationFailed.Code}
+		if !settled.Load() {
+			codes[settling] = kerr.UnknownTopicOrPartition.Code
+		}
+		named := func(rt kmsg.ProduceRequestTopic) string { // newer requests name topics by id only
+			switch rt.TopicID {
+			case deniedID:
+				return denied
+			case settlingID:
+				return settling
+			}
+			return rt.Topic
+		}
+		mine := false
+		for _, rt := range pr.Topics {
+			_, ok := codes[named(rt)]
+			mine = mine || ok
+		}
+		if !mine {
+			return nil, nil, false // kfake handles a request of other topics
+		}
+		return produceFailed(pr, func(rt kmsg.ProduceRequestTopic) int16 {
+			if code, ok := codes[named(rt)]; ok {
+				return code
+			}
+			return kerr.NotLeaderForPartition.Code // sharing a request with them: try again
+		}), nil, true
+	})
+	o, relay := e.oneShard(ctx, t, nil)
+	// One at a time: the fake answers a request that mixes a refused topic
+	// with others by refusing the others too (NOT_LEADER, retried).
+	enqueueWith(t, ctx, e, o, outbox.Message{Topic: denied, Key: []byte("k"), Value: []byte("no acl")})
+	eventually(t, time.Minute, "the denied row parked", func() bool { return relay.Stats().Parked == 1 })
+	enqueueWith(t, ctx, e, o, outbox.Message{Topic: e.topic, Key: []byte("k"), Value: []byte("fine")})
+	eventually(t, time.Minute, "a row of another topic in the shard published", func() bool { return relay.Stats().Published == 1 })
+	parked, err := o.Parked(ctx, e.db.Pool, 0)
+	if err != nil || len(parked) != 1 || parked[0].Topic != denied || !strings.Contains(parked[0].Error, "TOPIC_AUTHORIZATION_FAILED") {
+		t.Fatalf("parked %+v, %v; want only the denied topic's row, with TOPIC_AUTHORIZATION_FAILED", parked, err)
+	}
+	errs := relay.Stats().ProduceErrors
+	enqueueWith(t, ctx, e, o, outbox.Message{Topic: settling, Key: []byte("k"), Value: []byte("later")})
+	eventually(t, time.Minute, "the settling row retried", func() bool { return relay.Stats().ProduceErrors >= errs+2 })
+	if s := relay.Stats(); s.Parked != 1 || s.Published != 1 {
+		t.Fatalf("stats %+v while the topic settles: a transient error must not park or publish", s)
+	}
+	settled.Store(true)
+	recs := e.readTopic(t, settling, func(r []*kgo.Record) bool { return len(r) >= 1 })
+	if string(recs[0].Value) != "later" {
+		t.Fatalf("settling topic: %q", recs[0].Value)
+	}
+	if s := relay.Stats(); s.Parked != 1 {
+		t.Errorf("stats %+v: a transient error must not park", s)
 	}
 }

@@ -303,19 +303,7 @@ func TestRelaySurvivesKafkaOutage(t *testing.T) {
 		if !down.Load() {
 			return nil, nil, false
 		}
-		pr := req.(*kmsg.ProduceRequest)
-		resp := pr.ResponseKind().(*kmsg.ProduceResponse)
-		for _, rt := range pr.Topics {
-			st := kmsg.NewProduceResponseTopic()
-			st.Topic, st.TopicID = rt.Topic, rt.TopicID
-			for _, rp := range rt.Partitions {
-				sp := kmsg.NewProduceResponseTopicPartition()
-				sp.Partition, sp.ErrorCode = rp.Partition, kerr.NotEnoughReplicas.Code
-				st.Partitions = append(st.Partitions, sp)
-			}
-			resp.Topics = append(resp.Topics, st)
-		}
-		return resp, nil, true
+		return produceFailed(req.(*kmsg.ProduceRequest), func(kmsg.ProduceRequestTopic) int16 { return kerr.NotEnoughReplicas.Code }), nil, true
 	})
 	relay, _ := e.startRelay(ctx, t, nil)
 	const n = 500

@@ -47,10 +47,37 @@
 //
 // # Failures
 //
-// If Kafka is unavailable the rows stay pending and the relay retries the
-// shard with exponential backoff; nothing is lost. A produce that fails
-// part-way republishes the whole batch: the records that did arrive arrive
-// again with the same ids, and after dedup the order is unchanged.
+// A failure is classified by its cause. If Kafka is unavailable or answers
+// with a transient error (timeouts, leadership moves, a topic whose metadata
+// is still settling, a missing cluster-level ACL of the relay itself) the
+// rows stay pending and the relay retries the shard with exponential
+// backoff; nothing is lost. The rows the broker acknowledged before the
+// failure are marked sent; a row after a failed row of its (topic, key) is
+// produced again after it, and downstream inboxes dedup the repeat.
+//
+// A row the broker will never accept is parked instead of blocking its
+// shard: a record over the producer's batch limit (checked before producing,
+// as kgo refuses it without sending it) or the topic's max.message.bytes
+// (MESSAGE_TOO_LARGE, RECORD_LIST_TOO_LARGE), an invalid topic name, a
+// missing ACL for its topic (TOPIC_AUTHORIZATION_FAILED), a record the topic
+// rejects (INVALID_RECORD, POLICY_VIOLATION). A row that failed that way in a
+// batch is produced again on its own first, so rows that only shared its
+// Kafka batch are published. Parking writes parked_at and the error into the
+// row, in the transaction that marks the batch's other rows sent. The later
+// rows of the parked row's (topic, key) are held back, unpublished, so that
+// per-key order holds; every other key flows. Parked rows are counted in
+// [RelayStats].Parked, [Status].Parked and the oncely.outbox.parked gauge,
+// logged at error level, listed by [Outbox.Parked] (`oncely outbox parked`),
+// and released by [Outbox.Retry] or [Outbox.RetryAll] (published again, then
+// the held rows after it, in order; parked again if still refused) or
+// [Outbox.Discard] (deleted; the held rows flow). [Outbox.Enqueue] refuses a
+// topic name Kafka would refuse at once. Parked rows are never deleted by
+// retention.
+//
+// Order around a refused row rests on two things: the relay leaves the
+// later rows of its key pending (or holds them back) whatever their own
+// result, and franz-go fails every batch buffered for a partition after the
+// broker refuses one of its batches, so none of them lands ahead of it.
 //
 // # Retention
 //

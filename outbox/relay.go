@@ -303,7 +303,7 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 			}
 			continue
 		}
-		n, err := r.publishShard(ctx, cl, hooks, shard)
+		more, err := r.publishShard(ctx, cl, hooks, shard)
 		if ctx.Err() != nil {
 			return false, next, nil
 		}
@@ -323,7 +323,7 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 		}
 		delete(retryAt, shard)
 		delete(failures, shard)
-		busy = busy || n == r.cfg.BatchSize
+		busy = busy || more
 	}
 	return busy, next, nil
 }
@@ -331,12 +331,13 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 // publishShard publishes up to BatchSize pending rows of shard in id order,
 // holding the shard's advisory lock, and marks them sent in the same
 // transaction after the broker acknowledged them. Rows the broker refused
-// for good are parked in the same transaction (see produce). It returns the
-// rows settled (0 when another relay holds the shard).
-func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay, shard int) (int, error) {
+// for good are parked in the same transaction (see produce). more reports
+// that rows are likely waiting; it is false when another relay holds the
+// shard.
+func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay, shard int) (more bool, err error) {
 	tx, err := r.cfg.Pool.Begin(ctx)
 	if err != nil {
-		return 0, err
+		return false, err
 	}
 	defer func() {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
@@ -346,18 +347,18 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 	// A relay cut off from Postgres must not hold the shard forever.
 	idle := strconv.FormatInt((2 * r.cfg.ProduceTimeout).Milliseconds(), 10)
 	if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`, idle); err != nil {
-		return 0, err
+		return false, err
 	}
 	var locked bool
 	if err := tx.QueryRow(ctx, r.q.lock, "oncely.outbox."+r.outbox.schema, shard).Scan(&locked); err != nil {
-		return 0, err
+		return false, err
 	}
 	if !locked {
-		return 0, nil
+		return false, nil
 	}
 	rows, err := tx.Query(ctx, r.q.selectBatch, shard, r.cfg.BatchSize)
 	if err != nil {
-		return 0, err
+		return false, err
 	}
 	var (
 		ids  []int64
@@ -380,11 +381,11 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 		return nil
 	})
 	if err != nil || len(recs) == 0 {
-		return 0, err
+		return false, err
 	}
 	ok, park, err := r.produce(ctx, cl, ids, recs)
 	if len(ok) == 0 && len(park) == 0 {
-		return 0, err
+		return false, err
 	}
 	if err != nil {
 		// Transient: the rows left stay pending; keep what was settled.
@@ -393,11 +394,11 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 	}
 	if h := hooks.AfterProduce; h != nil {
 		if err := h(len(ok)); err != nil {
-			return 0, err
+			return false, err
 		}
 	}
 	if _, err := tx.Exec(ctx, r.q.markSent, ok); err != nil {
-		return 0, fmt.Errorf("mark sent: %w", err)
+		return false, fmt.Errorf("mark sent: %w", err)
 	}
 	if len(park) > 0 {
 		pids, perrs := make([]int64, 0, len(park)), make([]string, 0, len(park))
@@ -405,11 +406,11 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 			pids, perrs = append(pids, ids[i]), append(perrs, e.Error())
 		}
 		if _, err := tx.Exec(ctx, r.q.park, pids, perrs); err != nil {
-			return 0, fmt.Errorf("park: %w", err)
+			return false, fmt.Errorf("park: %w", err)
 		}
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return 0, fmt.Errorf("commit: %w", err)
+		return false, fmt.Errorf("commit: %w", err)
 	}
 	for i, e := range park {
 		rec := recs[i]
@@ -420,29 +421,28 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 	r.published.Add(int64(len(ok)))
 	r.parked.Add(int64(len(park)))
 	r.batches.Add(1)
-	if err != nil {
-		return len(ok) + len(park), err
-	}
-	return len(recs), nil
+	// A full batch, or rows of this one held behind a row that failed:
+	// another round at once.
+	return err == nil && (len(recs) == r.cfg.BatchSize || len(ok)+len(park) < len(recs)), err
 }
 
 // produce publishes recs (rows ids, in id order) and returns the ids the
 // broker acknowledged and, by index, the rows to park with their reason.
-// Rows after a parked row of their (topic, key) are in neither: they stay
-// pending, held back (order is kept). err is a transient failure: the rows
-// it touched stay pending too, and the shard backs off.
+// Rows after a parked or transiently failed row of their (topic, key) are in
+// neither: they stay pending, held back (order is kept). err is the first
+// transient failure: the rows it touched stay pending, and the shard backs
+// off once what was settled is committed.
 //
 // A row is parked when Kafka refuses it for a reason retrying cannot change
 // (see permanent): the client's own size limit and an invalid topic name are
-// checked before producing; after a batch in which every failure was
-// permanent, each failed row is produced again on its own, so that only the
-// culprit is parked and rows that shared its Kafka batch go through.
+// checked before producing; a row that failed permanently in the batch is
+// produced again on its own before it is parked, so that only the culprit
+// is parked and rows that merely shared its Kafka batch go through.
 func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs []*kgo.Record) (ok []int64, park map[int]error, err error) {
 	park = map[int]error{}
-	blocked := map[string]bool{} // (topic, key) of rows parked in this batch
+	blocked := map[string]bool{} // (topic, key) of rows parked or failed in this batch
 	held := func(i int) bool { return recs[i].Key != nil && blocked[keyOf(recs[i])] }
-	doPark := func(i int, err error) {
-		park[i] = err
+	block := func(i int) {
 		if recs[i].Key != nil {
 			blocked[keyOf(recs[i])] = true
 		}
@@ -453,48 +453,54 @@ func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs [
 			continue
 		}
 		if err := r.refuse(cl, rec); err != nil {
-			doPark(i, err)
+			park[i] = err
+			block(i)
 			continue
 		}
 		send = append(send, i)
 	}
 	results := r.send(ctx, cl, recs, send)
-	var failed []int
-	for j, res := range results {
-		if res.Err == nil {
-			ok = append(ok, ids[send[j]])
-			continue
-		}
-		failed = append(failed, send[j])
-		if err == nil && !permanent(res.Err) {
-			err = res.Err
-		}
-	}
-	if len(failed) > 0 {
-		r.produceErrs.Add(1)
-	}
-	if err != nil {
-		// Something transient: nothing is parked on this attempt, nothing
-		// is settled but what went through (its same-key successors are
-		// republished with it; downstream inboxes dedup them).
-		return nil, nil, fmt.Errorf("produce %d records: %w", len(send), err)
-	}
-	for _, i := range failed { // in id order
-		if held(i) {
-			continue
-		}
-		res := r.send(ctx, cl, recs, []int{i})[0]
+	var suspects []int
+	for j, res := range results { // in id order
+		i := send[j]
 		switch {
+		case held(i):
+			// An earlier row of its key failed: it stays pending and goes
+			// again after that one (downstream inboxes dedup a republish).
 		case res.Err == nil:
 			ok = append(ok, ids[i])
 		case permanent(res.Err):
-			doPark(i, res.Err)
+			suspects = append(suspects, i)
+			block(i)
 		default:
-			r.produceErrs.Add(1)
-			return ok, park, fmt.Errorf("produce 1 record: %w", res.Err)
+			err = cmp.Or(err, res.Err)
+			block(i)
 		}
 	}
-	return ok, park, nil
+	clear(blocked) // the suspects go alone, each first of its key in this batch
+	for i := range park {
+		block(i)
+	}
+	if len(suspects) > 0 || err != nil {
+		r.produceErrs.Add(1)
+	}
+	for _, i := range suspects { // in id order
+		switch res := r.send(ctx, cl, recs, []int{i})[0]; {
+		case res.Err == nil:
+			ok = append(ok, ids[i])
+		case permanent(res.Err):
+			park[i] = res.Err
+			block(i)
+		default:
+			r.produceErrs.Add(1)
+			err = cmp.Or(err, res.Err)
+			block(i)
+		}
+	}
+	if err != nil {
+		err = fmt.Errorf("produce %d records: %w", len(send), err)
+	}
+	return ok, park, err
 }
 
 // send produces recs[idx...] in one call, with a PRODUCER span each.
