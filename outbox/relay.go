@@ -95,7 +95,7 @@ type RelayStats struct {
 	Batches       int64 // shard transactions that published rows
 	ProduceErrors int64 // failed batch produces (rows stayed pending)
 	Deleted       int64 // sent rows removed by retention
-	Parked        int64 // rows this relay parked (the broker refused them for good)
+	Parked        int64 // rows this relay parked (refused for good); a row parked again after a retry counts again
 }
 
 // NewRelay validates cfg and returns a Relay.
