@@ -91,7 +91,11 @@
 //
 // A batch's savepoints cost no round trip of their own: each travels in front
 // of its handler's first statement (a handler's statements go through a
-// pgx.Tx that sends it with the first of them).
+// pgx.Tx that sends it with the first of them). What the batch's handlers
+// enqueue to the outbox (outbox.Enqueue, messages without an id) is written
+// once, in one statement with its per-key locks in sorted order, just before
+// the batch commits; a record rolled back to its savepoint takes its
+// messages with it.
 //
 // # Where duplicates are possible, and why they do no harm
 //
