@@ -5,10 +5,9 @@
 # As root it installs podman, runc and busybox-static if missing, writes
 # /etc/containers/containers.conf if absent, starts podman's Docker-compatible
 # API service (stopped by PID on exit), builds localhost/oncely-postgres:15
-# from the host's PostgreSQL 15 with ../shared/containers/build-postgres-image.sh,
-# and runs `go test -race` on the integration suite with DATABASE_URL unset.
-# Kafka stays the in-process kfake broker. The recipe is
-# ../shared/containers/README.md.
+# from the host's PostgreSQL 15 with scripts/postgres-image/build.sh, and runs
+# `go test -race` on the integration suite with DATABASE_URL unset. Kafka
+# stays the in-process kfake broker.
 #
 # Arguments replace the default test arguments, e.g.
 #   scripts/test-containers.sh -run TestPostgresOutage -count=3 ./integration_test/
@@ -21,7 +20,7 @@ image=localhost/oncely-postgres:15 # built below from the host's PostgreSQL 15
 # A socket of this run's own: another run on the machine may start and stop
 # its service meanwhile (podman's storage is shared, the services are not).
 socket="/run/podman/oncely-test-$$.sock"
-build_script="$root/../shared/containers/build-postgres-image.sh"
+build_script="$root/scripts/postgres-image/build.sh"
 if [ "$#" -gt 0 ]; then
 	test_args=("$@")
 else
@@ -37,11 +36,6 @@ log "start $(date -u +%FT%TZ)"
 
 if [ "$(id -u)" -ne 0 ]; then
 	echo "test-containers: must run as root (it installs packages and runs podman's rootful API service)" >&2
-	exit 1
-fi
-if [ ! -x "$build_script" ]; then
-	echo "test-containers: $build_script is missing: the shared directory ../shared must sit beside the clone" >&2
-	echo "test-containers: (it holds containers/build-postgres-image.sh, which builds the Postgres image locally)" >&2
 	exit 1
 fi
 
