@@ -21,6 +21,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncely/oncely/bench/internal/kfakechild"
 )
 
 type options struct {
@@ -79,8 +81,10 @@ const (
 var allModes = []string{modeCeiling, modeNaive, modeNaiveIn, modePerRecord, modeBatch, modeBatchRecs, modeWatermill, modeKeySeq, modeKeyPar, modeRSS}
 
 func main() {
-	if len(os.Args) == 2 && os.Args[1] == brokerFlag {
-		if err := serveBroker(); err != nil {
+	// The broker's record storage (a 1M-record backlog) lives in a child
+	// process, so that this one's RSS is the consumers' own.
+	if len(os.Args) == 2 && os.Args[1] == kfakechild.Arg {
+		if err := kfakechild.Serve(); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}
@@ -183,12 +187,12 @@ func run(ctx context.Context, o options) error {
 	if err := admin.QueryRow(ctx, "SHOW server_version").Scan(&pgVersion); err != nil {
 		return fmt.Errorf("postgres at %s: %w", o.dbURL, err)
 	}
-	b, err := startBroker(ctx)
+	b, err := kfakechild.Start(ctx)
 	if err != nil {
 		return err
 	}
-	defer b.stop()
-	e := &env{dbURL: o.dbURL, admin: admin, brokers: b.addrs, brokerPID: b.cmd.Process.Pid, opts: o}
+	defer b.Stop()
+	e := &env{dbURL: o.dbURL, admin: admin, brokers: b.Addrs, brokerPID: b.Cmd.Process.Pid, opts: o}
 
 	fmt.Printf("oncely bench: %s, %d CPUs, %s/%s, Postgres %s, kfake (child process)\n",
 		runtime.Version(), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, pgVersion)

@@ -38,8 +38,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/oncely/oncely/bench/internal/kfakechild"
 	"github.com/oncely/oncely/bench/internal/orderload"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/migrations"
@@ -76,8 +78,9 @@ const (
 func main() {
 	if len(os.Args) >= 2 {
 		switch os.Args[1] {
-		case brokerArg:
-			exit(serveBroker())
+		case kfakechild.Arg:
+			// Groups accept session timeouts down to a second.
+			exit(kfakechild.Serve(kfake.GroupMinSessionTimeout(time.Second)))
 			return
 		case handArg:
 			exit(handWorker(os.Args[2:]))
@@ -195,12 +198,12 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	defer admin.Close()
-	b, err := startBroker()
+	b, err := kfakechild.Start(context.WithoutCancel(ctx))
 	if err != nil {
 		return err
 	}
-	defer b.stop()
-	if err := createTopics(ctx, b.addrs, 1, orderload.EventsTopic); err != nil {
+	defer b.Stop()
+	if err := createTopics(ctx, b.Addrs, 1, orderload.EventsTopic); err != nil {
 		return err
 	}
 	sched := newSchedule(o)
@@ -226,7 +229,7 @@ func run(ctx context.Context, o options) error {
 				}
 				r := &runResult{worker: w, chaos: chaos, round: round}
 				fmt.Fprintf(os.Stderr, "chaos: round %d: %s, chaos %v...", round, w, chaos)
-				d := &driver{o: o, sched: sched, admin: admin, brokers: b.addrs, self: self, bin: bin, res: r}
+				d := &driver{o: o, sched: sched, admin: admin, brokers: b.Addrs, self: self, bin: bin, res: r}
 				d.run(ctx)
 				fmt.Fprintf(os.Stderr, " %.1fs, %.0f orders/s, %d kills\n", r.elapsed.Seconds(), r.rate(), r.kills)
 				if r.err != nil {

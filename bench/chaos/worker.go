@@ -1,15 +1,11 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"flag"
-	"fmt"
-	"io"
 	"log/slog"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strings"
 	"sync"
@@ -17,7 +13,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/bench/internal/orderload"
@@ -26,89 +21,11 @@ import (
 
 // The chaos binary is also its own broker and its own hand-written worker:
 // the driver starts itself with one of these as the first argument.
-const (
-	brokerArg = "-kfake-broker"
-	handArg   = "-hand-worker"
-)
+const handArg = "-hand-worker" // the broker's is kfakechild.Arg
 
 // handFirstCommitLine is what the hand-written worker logs when its first
 // record committed (the orderworker logs "oncely first record committed").
 const handFirstCommitLine = "hand first record committed"
-
-// serveBroker runs a one-broker kfake cluster whose groups accept session
-// timeouts down to a second, prints its address and serves until its
-// standard input closes.
-func serveBroker() error {
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(time.Second))
-	if err != nil {
-		return fmt.Errorf("kfake: %w", err)
-	}
-	defer c.Close()
-	fmt.Println(strings.Join(c.ListenAddrs(), ","))
-	_, _ = io.Copy(io.Discard, os.Stdin)
-	return nil
-}
-
-// broker is the kfake child process.
-type broker struct {
-	cmd   *exec.Cmd
-	stdin io.Closer
-	addrs []string
-}
-
-func startBroker() (*broker, error) {
-	self, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.Command(self, brokerArg)
-	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		return nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start kfake broker: %w", err)
-	}
-	b := &broker{cmd: cmd, stdin: stdin}
-	line := make(chan string, 1)
-	go func() {
-		s, _ := bufio.NewReader(stdout).ReadString('\n')
-		line <- strings.TrimSpace(s)
-	}()
-	select {
-	case s := <-line:
-		if s == "" {
-			b.stop()
-			return nil, errors.New("kfake broker exited before printing its address")
-		}
-		b.addrs = strings.Split(s, ",")
-	case <-time.After(30 * time.Second):
-		b.stop()
-		return nil, errors.New("kfake broker did not print its address within 30s")
-	}
-	return b, nil
-}
-
-func (b *broker) stop() {
-	_ = b.stdin.Close()
-	done := make(chan struct{})
-	go func() {
-		_ = b.cmd.Wait()
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		_ = b.cmd.Process.Kill()
-		<-done
-	}
-}
 
 // handWorker is the hand-written worker process: orderload.Hand (franz-go
 // and pgx, a transaction per record: inbox insert, order, balance, outbox

@@ -1,4 +1,8 @@
-package main
+// Package kfakechild runs a kfake cluster in a child process of the
+// benchmark: the binary starts itself with Arg, so that the broker's record
+// storage and CPU are another process's, measured apart from the
+// consumers'.
+package kfakechild
 
 import (
 	"bufio"
@@ -15,16 +19,13 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 )
 
-// brokerFlag makes the binary serve a kfake cluster instead of running the
-// benchmark: the parent starts itself with it, so that the broker's record
-// storage (a 1M-record backlog) lives in another process and the parent's
-// RSS is the consumers' own.
-const brokerFlag = "-kfake-broker"
+// Arg, as the binary's only argument, makes it Serve instead of running.
+const Arg = "-kfake-broker"
 
-// serveBroker runs a one-broker kfake cluster, prints its address on one line
-// and serves until its standard input closes (the parent exited).
-func serveBroker() error {
-	c, err := kfake.NewCluster(kfake.NumBrokers(1))
+// Serve runs a one-broker kfake cluster with opts, prints its address on one
+// line and serves until its standard input closes (the parent exited).
+func Serve(opts ...kfake.Opt) error {
+	c, err := kfake.NewCluster(append([]kfake.Opt{kfake.NumBrokers(1)}, opts...)...)
 	if err != nil {
 		return fmt.Errorf("kfake: %w", err)
 	}
@@ -34,20 +35,20 @@ func serveBroker() error {
 	return nil
 }
 
-// broker is the kfake child process.
-type broker struct {
-	cmd   *exec.Cmd
+// Broker is the kfake child process.
+type Broker struct {
+	Cmd   *exec.Cmd
+	Addrs []string
 	stdin io.Closer
-	addrs []string
 }
 
-// startBroker starts this binary as a kfake broker and reads its address.
-func startBroker(ctx context.Context) (*broker, error) {
+// Start starts this binary with Arg and reads the broker's address.
+func Start(ctx context.Context) (*Broker, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.CommandContext(ctx, self, brokerFlag)
+	cmd := exec.CommandContext(ctx, self, Arg)
 	cmd.Stderr = os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stdin, err := cmd.StdinPipe()
@@ -61,7 +62,7 @@ func startBroker(ctx context.Context) (*broker, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start kfake broker: %w", err)
 	}
-	b := &broker{cmd: cmd, stdin: stdin}
+	b := &Broker{Cmd: cmd, stdin: stdin}
 	line := make(chan string, 1)
 	go func() {
 		s, _ := bufio.NewReader(stdout).ReadString('\n')
@@ -70,29 +71,29 @@ func startBroker(ctx context.Context) (*broker, error) {
 	select {
 	case s := <-line:
 		if s == "" {
-			b.stop()
+			b.Stop()
 			return nil, errors.New("kfake broker exited before printing its address")
 		}
-		b.addrs = strings.Split(s, ",")
+		b.Addrs = strings.Split(s, ",")
 	case <-time.After(30 * time.Second):
-		b.stop()
+		b.Stop()
 		return nil, errors.New("kfake broker did not print its address within 30s")
 	}
 	return b, nil
 }
 
-// stop closes the broker's standard input and waits for it to exit.
-func (b *broker) stop() {
+// Stop closes the broker's standard input and waits for it to exit.
+func (b *Broker) Stop() {
 	_ = b.stdin.Close()
 	done := make(chan struct{})
 	go func() {
-		_ = b.cmd.Wait()
+		_ = b.Cmd.Wait()
 		close(done)
 	}()
 	select {
 	case <-done:
 	case <-time.After(10 * time.Second):
-		_ = b.cmd.Process.Kill()
+		_ = b.Cmd.Process.Kill()
 		<-done
 	}
 }
