@@ -609,89 +609,22 @@ func (e *env) newContendedTopic(ctx context.Context, mode string) (string, error
 	return topic, nil
 }
 
-// orderProducer writes the contended workload's records: order i, keyed by
+// newOrderProducer writes the contended workload's records: order i, keyed by
 // its order id, to partition i mod partitions (keyed by order id, so every
 // partition carries every customer), with its message id in the message-id
 // header and its produce time in the value.
-type orderProducer struct {
-	cl    *kgo.Client
-	topic string
-	parts int
-	gen   orderload.Gen
-
-	mu  sync.Mutex
-	err error
-}
-
-func (e *env) newOrderProducer(topic string, gen orderload.Gen) (*orderProducer, error) {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(e.brokers...), kgo.RecordPartitioner(kgo.ManualPartitioner()),
-		kgo.ProducerLinger(0), kgo.MaxBufferedRecords(50_000),
-		kgo.ProducerBatchCompression(compressions[e.opts.compression]))
-	if err != nil {
-		return nil, err
-	}
-	return &orderProducer{cl: cl, topic: topic, parts: e.opts.contended.partitions, gen: gen}, nil
-}
-
-func (p *orderProducer) produce(ctx context.Context, i int, sent time.Time) {
-	o := p.gen.Order(i, sent.UnixNano())
-	v, err := json.Marshal(o)
-	if err != nil {
-		p.fail(err)
-		return
-	}
-	rec := &kgo.Record{Topic: p.topic, Partition: int32(i % p.parts), Key: []byte(o.OrderID), Value: v,
-		Headers: []kgo.RecordHeader{{Key: consumer.DefaultMessageIDHeader, Value: []byte(orderload.MessageID(i))}}}
-	p.cl.Produce(ctx, rec, func(_ *kgo.Record, err error) {
+func (e *env) newOrderProducer(topic string, gen orderload.Gen) (*producer, error) {
+	parts := e.opts.contended.partitions
+	return e.newRecordProducer(func(i int, sent time.Time) (*kgo.Record, error) {
+		o := gen.Order(i, sent.UnixNano())
+		v, err := json.Marshal(o)
 		if err != nil {
-			p.fail(err)
+			return nil, err
 		}
+		return &kgo.Record{Topic: topic, Partition: int32(i % parts), Key: []byte(o.OrderID), Value: v,
+			Headers: []kgo.RecordHeader{{Key: consumer.DefaultMessageIDHeader, Value: []byte(orderload.MessageID(i))}}}, nil
 	})
 }
-
-func (p *orderProducer) fail(err error) {
-	p.mu.Lock()
-	p.err = cmpErr(p.err, err)
-	p.mu.Unlock()
-}
-
-func (p *orderProducer) backlog(ctx context.Context, from, to int) error {
-	now := time.Now()
-	for i := from; i < to; i++ {
-		p.produce(ctx, i, now)
-	}
-	return p.flush(ctx)
-}
-
-func (p *orderProducer) paced(ctx context.Context, from, to int, rate float64) error {
-	start := time.Now()
-	for i := from; i < to; i++ {
-		due := start.Add(time.Duration(float64(i-from) / rate * float64(time.Second)))
-		if d := time.Until(due); d > 0 {
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-time.After(d):
-			}
-		}
-		p.produce(ctx, i, time.Now())
-	}
-	return p.flush(ctx)
-}
-
-func (p *orderProducer) flush(ctx context.Context) error {
-	if err := p.cl.Flush(ctx); err != nil {
-		return err
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.err != nil {
-		return fmt.Errorf("produce: %w", p.err)
-	}
-	return nil
-}
-
-func (p *orderProducer) close() { p.cl.Close() }
 
 // runContendedCeiling is the set-based raw-SQL ceiling of the workload, no
 // Kafka: transactions of batch-size orders, each one multi-row inbox claim

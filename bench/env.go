@@ -327,11 +327,11 @@ func (e *env) deleteTopic(ctx context.Context, topic string) {
 	_, _ = kadm.NewClient(cl).DeleteTopic(ctx, topic)
 }
 
-// producer writes a mode's records to its topic.
+// producer writes a mode's records to its topic: record i is what record
+// builds for it.
 type producer struct {
-	cl    *kgo.Client
-	topic string
-	w     workload
+	cl     *kgo.Client
+	record func(i int, sent time.Time) (*kgo.Record, error)
 
 	mu  sync.Mutex
 	err error
@@ -344,23 +344,39 @@ var compressions = map[string]kgo.CompressionCodec{
 }
 
 func (e *env) newProducer(topic string, w workload) (*producer, error) {
+	return e.newRecordProducer(func(i int, sent time.Time) (*kgo.Record, error) {
+		return w.kafkaRecord(topic, i, sent), nil
+	})
+}
+
+// newRecordProducer returns a producer of the records record builds.
+func (e *env) newRecordProducer(record func(i int, sent time.Time) (*kgo.Record, error)) (*producer, error) {
 	cl, err := kgo.NewClient(kgo.SeedBrokers(e.brokers...), kgo.RecordPartitioner(kgo.ManualPartitioner()),
 		kgo.ProducerLinger(0), kgo.MaxBufferedRecords(50_000),
 		kgo.ProducerBatchCompression(compressions[e.opts.compression]))
 	if err != nil {
 		return nil, err
 	}
-	return &producer{cl: cl, topic: topic, w: w}, nil
+	return &producer{cl: cl, record: record}, nil
 }
 
 func (p *producer) produce(ctx context.Context, i int, sent time.Time) {
-	p.cl.Produce(ctx, p.w.kafkaRecord(p.topic, i, sent), func(_ *kgo.Record, err error) {
+	rec, err := p.record(i, sent)
+	if err != nil {
+		p.fail(err)
+		return
+	}
+	p.cl.Produce(ctx, rec, func(_ *kgo.Record, err error) {
 		if err != nil {
-			p.mu.Lock()
-			p.err = cmpErr(p.err, err)
-			p.mu.Unlock()
+			p.fail(err)
 		}
 	})
+}
+
+func (p *producer) fail(err error) {
+	p.mu.Lock()
+	p.err = cmpErr(p.err, err)
+	p.mu.Unlock()
 }
 
 func cmpErr(a, b error) error {
