@@ -160,23 +160,8 @@ func reportContended(out io.Writer, o options, counts []int, runs map[string]map
 		"with as many members; members/1: median of each round's ratio to the same mode with one member. contention '-': the library "+
 		"has no such counter.\n", o.rounds)
 
-	fmt.Fprintln(out)
-	fmt.Fprintln(out, "Targets (median of the rounds' ratios; each round's ratio in brackets):")
-	tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	passed, failed := 0, 0
-	check := func(name string, ok bool, shown string) {
-		status := "FAIL"
-		switch {
-		case shown == "":
-			status = "not run"
-		case ok:
-			status = "PASS"
-			passed++
-		default:
-			failed++
-		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\n", status, name, shown)
-	}
+	targets := newTargets(out)
+	check := targets.check
 	vsHand := func(name, m string, n int, threshold float64) {
 		rs, hand := runs[m][n], runs[cmHand][n]
 		if len(rs) == 0 || len(hand) == 0 {
@@ -251,8 +236,7 @@ func reportContended(out io.Writer, o options, counts []int, runs map[string]map
 	if ran {
 		check("0 records dead-lettered in every oncely mode", dead == 0, strconv.FormatInt(dead, 10))
 	}
-	_ = tw.Flush()
-	fmt.Fprintf(out, "targets: %d passed, %d failed\n", passed, failed)
+	targets.close()
 }
 
 func countFailed(rs []cresult) int {

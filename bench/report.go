@@ -115,23 +115,8 @@ func report(out io.Writer, o options, runs map[string][]result) {
 	fmt.Fprintf(out, "\nrecords/s and seconds: the median of %d rounds; p50/p99 over all rounds' latency samples; "+
 		"vs X: the median of each round's ratio of records/s.\n", o.rounds)
 
-	fmt.Fprintln(out)
-	fmt.Fprintln(out, "Targets (median of the rounds' ratios; each round's ratio in brackets):")
-	tw = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	passed, failed := 0, 0
-	check := func(name string, ok bool, shown string) {
-		status := "FAIL"
-		switch {
-		case shown == "":
-			status = "not run"
-		case ok:
-			status = "PASS"
-			passed++
-		default:
-			failed++
-		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\n", status, name, shown)
-	}
+	targets := newTargets(out)
+	check := targets.check
 	for _, t := range []struct {
 		name      string
 		m, base   string
@@ -160,8 +145,7 @@ func report(out io.Writer, o options, runs map[string][]result) {
 	} else {
 		check(name, false, "")
 	}
-	_ = tw.Flush()
-	fmt.Fprintf(out, "targets: %d passed, %d failed\n", passed, failed)
+	targets.close()
 }
 
 func joinRatios(v []float64) string {
@@ -190,3 +174,37 @@ func us(d time.Duration) string {
 }
 
 func mib(b uint64) string { return fmt.Sprintf("%.0f MiB", float64(b)/(1<<20)) }
+
+// targetTable prints the targets, each PASS, FAIL or "not run" (shown
+// empty), and counts them.
+type targetTable struct {
+	out            io.Writer
+	tw             *tabwriter.Writer
+	passed, failed int
+}
+
+func newTargets(out io.Writer) *targetTable {
+	fmt.Fprintln(out)
+	fmt.Fprintln(out, "Targets (median of the rounds' ratios; each round's ratio in brackets):")
+	return &targetTable{out: out, tw: tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)}
+}
+
+func (t *targetTable) check(name string, ok bool, shown string) {
+	status := "FAIL"
+	switch {
+	case shown == "":
+		status = "not run"
+	case ok:
+		status = "PASS"
+		t.passed++
+	default:
+		t.failed++
+	}
+	fmt.Fprintf(t.tw, "  %s\t%s\t%s\n", status, name, shown)
+}
+
+// close prints the table and the counts.
+func (t *targetTable) close() {
+	_ = t.tw.Flush()
+	fmt.Fprintf(t.out, "targets: %d passed, %d failed\n", t.passed, t.failed)
+}
