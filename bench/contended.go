@@ -19,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/bench/internal/orderload"
+	"github.com/oncely/oncely/bench/internal/runenv"
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
@@ -104,7 +105,7 @@ func runContended(ctx context.Context, e *env, modes []string) error {
 		co.partitions, co.customers, co.n, co.batchN, co.batchRecsN, co.batchSize, co.keyParallelism, co.members,
 		e.opts.conns, e.opts.latencyRecords, e.opts.latencyRate, e.opts.rounds, co.timeout)
 	fmt.Println("ConflictKeys (the customer id) in modes oncely, batch-records, batch, perkey; not in hand, ceiling and the -nokeys modes")
-	fmt.Printf("load average at start: %s\n\n", loadAverage())
+	fmt.Printf("load average at start: %s\n\n", runenv.LoadAverage())
 
 	type key struct {
 		mode    string
@@ -148,7 +149,7 @@ func runContended(ctx context.Context, e *env, modes []string) error {
 		byMode[k.mode][k.members] = rs
 	}
 	reportContended(os.Stdout, e.opts, counts, byMode)
-	fmt.Printf("load average at end: %s\n", loadAverage())
+	fmt.Printf("load average at end: %s\n", runenv.LoadAverage())
 	for _, k := range order {
 		for _, r := range runs[k] {
 			if r.err != nil {
@@ -505,7 +506,7 @@ func (e *env) runContendedKafka(ctx context.Context, s cspec, members int) (res 
 		}
 	}
 
-	stable := e.waitStable(runCtx, group, topic, members, co.timeout)
+	stable := runenv.WaitStable(runCtx, e.brokers, group, topic, members, co.partitions, co.timeout)
 	meter := e.cpuMeter(c.db)
 	var cpuStart cpuUse
 	if stable == nil {
@@ -553,35 +554,6 @@ func (e *env) runContendedKafka(ctx context.Context, s cspec, members int) (res 
 		res.err = fmt.Errorf("%d records dead-lettered", res.deadLetters)
 	}
 	return res
-}
-
-// waitStable waits until the group is stable with members members and all
-// of topic's partitions assigned.
-func (e *env) waitStable(ctx context.Context, group, topic string, members int, timeout time.Duration) error {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(e.brokers...))
-	if err != nil {
-		return err
-	}
-	defer cl.Close()
-	adm := kadm.NewClient(cl)
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	var last string
-	for {
-		gs, err := adm.DescribeGroups(ctx, group)
-		if err == nil {
-			g := gs[group]
-			last = fmt.Sprintf("state %s, %d members", g.State, len(g.Members))
-			if g.State == "Stable" && len(g.Members) == members && len(g.AssignedPartitions()[topic]) == e.opts.contended.partitions {
-				return nil
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("group %s not stable with %d members within %s (%s)", group, members, timeout, last)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
 }
 
 // newContendedTopic creates a mode's topic with the workload's partitions,

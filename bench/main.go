@@ -23,6 +23,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncely/oncely/bench/internal/kfakechild"
+	"github.com/oncely/oncely/bench/internal/runenv"
 )
 
 type options struct {
@@ -205,7 +206,7 @@ func run(ctx context.Context, o options) error {
 		o.rounds, o.n, o.batchN, o.batchRecsN, o.partitions, o.keys, o.conns, o.batchSize,
 		o.latencyRecords, o.latencyRate, o.keyN, o.keySeqN, o.keyParallelism, o.keySleep, o.keyLatencyRecords(), o.keyLatencyRate,
 		o.rssN, o.compression, o.effect)
-	fmt.Printf("load average at start: %s\n\n", loadAverage())
+	fmt.Printf("load average at start: %s\n\n", runenv.LoadAverage())
 
 	// Every mode but rss runs once per round; even rounds run the modes in
 	// reverse order, so that a drift in the machine's load does not always
@@ -230,7 +231,7 @@ func run(ctx context.Context, o options) error {
 		runs[modeRSS] = []result{e.runLogged(ctx, modeRSS, "once")}
 	}
 	report(os.Stdout, o, runs)
-	fmt.Printf("load average at end: %s\n", loadAverage())
+	fmt.Printf("load average at end: %s\n", runenv.LoadAverage())
 	for _, m := range modes {
 		for _, r := range runs[m] {
 			if r.err != nil {
@@ -239,17 +240,6 @@ func run(ctx context.Context, o options) error {
 		}
 	}
 	return ctx.Err()
-}
-
-// loadAverage is the machine's 1, 5 and 15 minute load average: other work
-// on the machine moves the absolute figures.
-func loadAverage() string {
-	b, err := os.ReadFile("/proc/loadavg")
-	if err != nil {
-		return "unknown"
-	}
-	f := strings.Fields(string(b))
-	return strings.Join(f[:min(3, len(f))], " ")
 }
 
 // runLogged runs one mode and says so on standard error.

@@ -43,6 +43,7 @@ import (
 
 	"github.com/oncely/oncely/bench/internal/kfakechild"
 	"github.com/oncely/oncely/bench/internal/orderload"
+	"github.com/oncely/oncely/bench/internal/runenv"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/migrations"
 )
@@ -218,7 +219,7 @@ func run(ctx context.Context, o options) error {
 	if o.handFlags != "" {
 		fmt.Printf("hand worker flags: %s\n", o.handFlags)
 	}
-	fmt.Printf("load average at start: %s\n\n", loadAverage())
+	fmt.Printf("load average at start: %s\n\n", runenv.LoadAverage())
 
 	var results []*runResult
 	for round := 1; round <= o.rounds && ctx.Err() == nil; round++ {
@@ -240,7 +241,7 @@ func run(ctx context.Context, o options) error {
 		}
 	}
 	report(o, results)
-	fmt.Printf("load average at end: %s\n", loadAverage())
+	fmt.Printf("load average at end: %s\n", runenv.LoadAverage())
 	for _, r := range results {
 		if r.err != nil {
 			return fmt.Errorf("%s (chaos %v, round %d) failed: %w", r.worker, r.chaos, r.round, r.err)
@@ -363,7 +364,7 @@ func (d *driver) run(ctx context.Context) {
 		}
 	}
 	defer d.stopAll()
-	if err := d.waitStable(ctx, 60*time.Second); err != nil {
+	if err := runenv.WaitStable(ctx, d.brokers, d.group, d.topic, d.o.members, d.o.partitions, 60*time.Second); err != nil {
 		r.err = err
 		return
 	}
@@ -589,36 +590,6 @@ func (d *driver) chaos(ctx context.Context, start time.Time) {
 	}
 }
 
-// waitStable waits until the group is stable with every member and all
-// partitions assigned: the run measures the group's work, not its first
-// start-up.
-func (d *driver) waitStable(ctx context.Context, timeout time.Duration) error {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(d.brokers...))
-	if err != nil {
-		return err
-	}
-	defer cl.Close()
-	adm := kadm.NewClient(cl)
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	last := "not described"
-	for {
-		gs, err := adm.DescribeGroups(ctx, d.group)
-		if err == nil {
-			g := gs[d.group]
-			last = fmt.Sprintf("state %s, %d members", g.State, len(g.Members))
-			if g.State == "Stable" && len(g.Members) == d.o.members && len(g.AssignedPartitions()[d.topic]) == d.o.partitions {
-				return nil
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("group not stable with %d members within %s (%s)", d.o.members, timeout, last)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-}
-
 // produce sends the schedule's deliveries evenly over -over, keyed by order
 // id (franz-go's default partitioner), each with its order's message id.
 func (d *driver) produce(ctx context.Context, start time.Time) error {
@@ -838,13 +809,4 @@ func sec(d time.Duration) string {
 		return "-"
 	}
 	return fmt.Sprintf("%.2fs", d.Seconds())
-}
-
-func loadAverage() string {
-	b, err := os.ReadFile("/proc/loadavg")
-	if err != nil {
-		return "unknown"
-	}
-	f := strings.Fields(string(b))
-	return strings.Join(f[:min(3, len(f))], " ")
 }
