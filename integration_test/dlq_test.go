@@ -200,19 +200,7 @@ func TestDeadLetterOutageHoldsOnlyItsPartition(t *testing.T) {
 			return nil, nil, false
 		}
 		refused.Add(1)
-		resp := pr.ResponseKind().(*kmsg.ProduceResponse)
-		for _, rt := range pr.Topics {
-			st := kmsg.NewProduceResponseTopic()
-			st.Topic, st.TopicID = rt.Topic, rt.TopicID
-			for _, rp := range rt.Partitions {
-				sp := kmsg.NewProduceResponseTopicPartition()
-				sp.Partition = rp.Partition
-				sp.ErrorCode = kerr.NotEnoughReplicas.Code
-				st.Partitions = append(st.Partitions, sp)
-			}
-			resp.Topics = append(resp.Topics, st)
-		}
-		return resp, nil, true
+		return produceFailed(pr, func(kmsg.ProduceRequestTopic) int16 { return kerr.NotEnoughReplicas.Code }), nil, true
 	})
 
 	e.produceRecords(t, e.rec(0, "p0-ok", valueOf("p0-ok", 1)), e.rec(0, "poison", valueOf("poison", -1)))
