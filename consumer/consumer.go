@@ -617,7 +617,11 @@ func (w *worker) databaseDown(down bool) {
 	defer w.mu.Unlock()
 	if w.dbHold != down && !w.gone {
 		w.dbHold = down
-		w.r.c.dbDown.Add(map[bool]int64{true: 1, false: -1}[down])
+		if down {
+			w.r.c.dbDown.Add(1)
+		} else {
+			w.r.c.dbDown.Add(-1)
+		}
 		w.syncPause()
 	}
 }
