@@ -83,7 +83,10 @@ func FuzzVerifierConfig(f *testing.F) {
 			swSignature: sig, swID: id, swTimestamp: ts,
 			stripeSignature: sig, ghSignature: sig, "X-GitHub-Delivery": id,
 		})
-		if _, err := v.Verify(r, []byte(s1+s2), time.Unix(1614265330, 0)); err != nil && strings.Contains(err.Error(), secretMark) {
+		// Verify may quote the request's own (truncated) headers: the mark
+		// in its error is a secret's only when the request carried none.
+		fromRequest := strings.Contains(sig+id+ts, secretMark)
+		if _, err := v.Verify(r, []byte(s1+s2), time.Unix(1614265330, 0)); err != nil && strings.Contains(err.Error(), secretMark) && !fromRequest {
 			t.Fatalf("%s: Verify error %q quotes a secret", mk.name, err)
 		}
 	})
