@@ -171,6 +171,36 @@ type Config struct {
 	// out produce is retried with backoff while the partition waits.
 	// At least 1s (franz-go's minimum record timeout). Default 10s.
 	DeadLetterTimeout time.Duration
+	// CrashLoopLimit is how many times a record may kill the process (a
+	// handler calling os.Exit, the process running out of memory, a panic
+	// in a goroutine the handler started: nothing Run can recover from)
+	// before it is dead-lettered with class crash_loop. Such a record has no
+	// error to count within one process, and without a limit would kill
+	// every owner of its partition, blocking the partition for good.
+	//
+	// A partition whose previous owner died (it did not let the partition
+	// go through a revoke or a shutdown) starts in probe: the records it
+	// holds then run one at a time, each in its own transaction (no batch,
+	// no key parallelism), one at a time across the member's probing
+	// partitions, and each is marked in the partition_owners table
+	// (migration 0006) before its handler runs. When the process dies, the
+	// next start counts the death against the marked record; a probe that
+	// meets that record again, not processed, with CrashLoopLimit deaths
+	// counted, dead-letters it instead of running it, and the partition goes
+	// on. The death of an owner that was not probing is put down to no
+	// record (it may have been running several), so a record that kills
+	// every run is dead-lettered on the start after it killed
+	// CrashLoopLimit+1 processes (CrashLoopLimit of them in probe). A
+	// partition whose owner died while it was idle, or between records,
+	// dead-letters nothing. A member revoked, shut down or fenced without
+	// dying does not count. The cost is a statement per partition assigned
+	// and revoked, and a mark per record while probing; none on the
+	// ordinary record path.
+	//
+	// Default 3 (DefaultCrashLoopLimit); -1 turns the detection off (no
+	// table is read or written, a record that kills the process is received
+	// again by every owner); other negative values are invalid.
+	CrashLoopLimit int
 	// MaxRecordBytes dead-letters records whose key, value and headers
 	// together exceed it, without handing them to the handler (class
 	// oversized). Default 0: no limit.
@@ -249,6 +279,7 @@ func (cfg *Config) setDefaults() {
 	cfg.BatchMaxWait = cmp.Or(cfg.BatchMaxWait, 5*time.Millisecond)
 	cfg.BatchLockTimeout = cmp.Or(cfg.BatchLockTimeout, 100*time.Millisecond)
 	cfg.KeyParallelism = cmp.Or(cfg.KeyParallelism, 1)
+	cfg.CrashLoopLimit = cmp.Or(cfg.CrashLoopLimit, DefaultCrashLoopLimit)
 	if cfg.Concurrency == 0 && cfg.Pool != nil {
 		cfg.Concurrency = int(cfg.Pool.Config().MaxConns)
 	}
@@ -304,6 +335,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.DeadLetterTimeout < time.Second {
 		return invalid("DeadLetterTimeout", "must be at least 1s, got %s", cfg.DeadLetterTimeout)
+	}
+	if cfg.CrashLoopLimit < -1 {
+		return invalid("CrashLoopLimit", "must be at least 1, or -1 to turn crash-loop detection off, got %d", cfg.CrashLoopLimit)
 	}
 	if cfg.MaxRecordBytes < 0 {
 		return invalid("MaxRecordBytes", "must not be negative, got %d", cfg.MaxRecordBytes)

@@ -28,6 +28,13 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	if _, err := consumer.New(valid()); err != nil {
 		t.Fatalf("valid config refused: %v", err)
 	}
+	for _, limit := range []int{-1, 0, 1, 100} { // -1: off; 0: the default
+		cfg := valid()
+		cfg.CrashLoopLimit = limit
+		if _, err := consumer.New(cfg); err != nil {
+			t.Errorf("CrashLoopLimit %d refused: %v", limit, err)
+		}
+	}
 	for _, tc := range []struct {
 		name   string
 		mutate func(*consumer.Config)
@@ -46,6 +53,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{"short dead-letter timeout", func(c *consumer.Config) { c.DeadLetterTimeout = 100 * time.Millisecond }, "DeadLetterTimeout"},
 		{"dead-letter topic is the source", func(c *consumer.Config) { c.DeadLetterTopic = func(t string) string { return t } }, "DeadLetterTopic"},
 		{"negative record limit", func(c *consumer.Config) { c.MaxRecordBytes = -1 }, "MaxRecordBytes"},
+		{"crash-loop limit below -1", func(c *consumer.Config) { c.CrashLoopLimit = -2 }, "CrashLoopLimit"},
 		{"cap below base", func(c *consumer.Config) { c.RetryBaseDelay, c.RetryMaxDelay = time.Second, time.Millisecond }, "RetryMaxDelay"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -32,6 +32,7 @@ import (
 type Consumer struct {
 	cfg     Config
 	inbox   *dedup.Inbox
+	owners  *ownerQueries // nil: crash-loop detection is off (CrashLoopLimit < 0)
 	backoff backoff.Policy
 	started atomic.Bool
 
@@ -51,7 +52,7 @@ type Consumer struct {
 
 	processed, duplicates, retries, commits, held atomic.Int64
 	deadLettered, deadLetterErrs, batches         atomic.Int64
-	contention                                    atomic.Int64
+	contention, crashProbes, crashLoops           atomic.Int64
 	serialUntil                                   atomic.Int64 // unix ns: see lostToContention
 }
 
@@ -81,7 +82,12 @@ func New(cfg Config) (*Consumer, error) {
 			return msg.failed
 		}
 	}
+	var owners *ownerQueries
+	if cfg.CrashLoopLimit > 0 {
+		owners = newOwnerQueries(cfg.Schema)
+	}
 	return &Consumer{
+		owners:  owners,
 		handler: handler,
 		cfg:     cfg,
 		inbox:   inbox,
@@ -104,6 +110,8 @@ func (c *Consumer) Stats() Stats {
 		Batches:        c.batches.Load(),
 		PartitionsHeld: c.held.Load(),
 		Contention:     c.contention.Load(),
+		CrashProbes:    c.crashProbes.Load(),
+		CrashLoops:     c.crashLoops.Load(),
 	}
 }
 
@@ -128,6 +136,9 @@ type run struct {
 
 	// slots bounds the transactions in flight (Config.Concurrency).
 	slots chan struct{}
+	// probeSlot lets one probing partition's record run at a time, so that
+	// a death is put down to the one record that was running.
+	probeSlot chan struct{}
 
 	mu      sync.Mutex
 	workers map[tp]*worker
@@ -170,6 +181,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		workCtx:    workCtx,
 		workers:    make(map[tp]*worker),
 		slots:      make(chan struct{}, c.cfg.Concurrency),
+		probeSlot:  make(chan struct{}, 1),
 		started:    time.Now(),
 	}
 
@@ -276,26 +288,33 @@ func (c *Consumer) contended(ctx context.Context, rec *kgo.Record, n int) {
 	c.lostToContention()
 }
 
-// ErrNotMigrated is returned by Run when the inbox table does not exist.
-var ErrNotMigrated = errors.New("consumer: the inbox table does not exist")
+// ErrNotMigrated is returned by Run when the inbox table, or the
+// partition_owners table that crash-loop detection needs, does not exist.
+var ErrNotMigrated = errors.New("consumer: a table of oncely's schema does not exist")
 
-// checkInbox fails Run at start-up when the inbox table is missing: the
-// schema was never migrated, or Config.Schema names another schema than the
-// migrations did. Every claim would fail (42P01) until someone noticed. A
-// database that does not answer is not checked here: the record path waits
-// for it.
+// checkInbox fails Run at start-up when the inbox table (or, unless
+// CrashLoopLimit is -1, the partition_owners table) is missing: the schema
+// was never migrated (or not to the latest version), or Config.Schema names
+// another schema than the migrations did. Every claim would fail (42P01)
+// until someone noticed. A database that does not answer is not checked
+// here: the record path waits for it.
 func (c *Consumer) checkInbox(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	table := sqlident.Table(c.cfg.Schema, "inbox")
-	var found bool
-	if err := c.cfg.Pool.QueryRow(cctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&found); err != nil {
-		c.cfg.Logger.Warn("oncely consumer could not check its inbox table at start-up", "table", table, "err", err)
-		return nil
+	tables := []string{sqlident.Table(c.cfg.Schema, "inbox")}
+	if c.crashLoopOn() {
+		tables = append(tables, c.owners.table)
 	}
-	if !found {
-		return fmt.Errorf("%w: %s (Config.Schema %q): apply the migrations to that schema first (package migrations, or `oncely migrate up --schema %s`)",
-			ErrNotMigrated, table, c.cfg.Schema, c.cfg.Schema)
+	for _, table := range tables {
+		var found bool
+		if err := c.cfg.Pool.QueryRow(cctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&found); err != nil {
+			c.cfg.Logger.Warn("oncely consumer could not check its tables at start-up", "table", table, "err", err)
+			return nil
+		}
+		if !found {
+			return fmt.Errorf("%w: %s is missing (Config.Schema %q): apply the migrations to that schema first (package migrations, or `oncely migrate up --schema %s`)",
+				ErrNotMigrated, table, c.cfg.Schema, c.cfg.Schema)
+		}
 	}
 	return nil
 }
@@ -353,6 +372,7 @@ func (r *run) shutdown(ctx context.Context, deadline time.Time) {
 		if err := r.commit(bounded, ws); err != nil {
 			c.cfg.Logger.Warn("oncely final offset commit failed", "err", err)
 		}
+		r.forget(bounded, ws)
 	}
 	// Leaving triggers a final onRevoked, which finds its workers stopped
 	// and their offsets committed. A member that cannot reach the
@@ -436,6 +456,7 @@ func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string]
 			r.c.cfg.Logger.Warn("oncely commit on revoke failed", "err", err)
 		}
 		cancel()
+		r.forget(ctx, ws)
 		r.remove(ws)
 	}
 	cl.ResumeFetchPartitions(revoked) // a partition that comes back must not stay paused
@@ -458,6 +479,7 @@ func (r *run) onAssigned(_ context.Context, _ *kgo.Client, assigned map[string][
 func (r *run) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
 	ws := r.take(lost)
 	stopWorkers(ws, 0)
+	r.forget(context.Background(), ws) // not a death: the process lives on
 	r.remove(ws)
 	cl.ResumeFetchPartitions(lost)
 	r.c.cfg.Logger.Warn("oncely partitions lost", "partitions", lost)
@@ -548,6 +570,7 @@ type worker struct {
 	r  *run
 	tp tp
 
+	owner   string             // this ownership of the partition (partition_owners)
 	ctx     context.Context    // cancelled to abandon the in-flight record
 	abandon context.CancelFunc //
 	stop    chan struct{}      // closed: finish the in-flight attempt, start nothing new
@@ -570,8 +593,12 @@ type worker struct {
 
 func (r *run) newWorker(key tp) *worker {
 	ctx, cancel := context.WithCancel(r.workCtx)
+	owner := ""
+	if r.c.crashLoopOn() {
+		owner = newOwnerToken()
+	}
 	return &worker{
-		r: r, tp: key, ctx: ctx, abandon: cancel,
+		r: r, tp: key, ctx: ctx, abandon: cancel, owner: owner,
 		stop: make(chan struct{}), done: make(chan struct{}), wake: make(chan struct{}, 1),
 		lastCommit: -1,
 	}
@@ -661,6 +688,9 @@ func (w *worker) next() (*kgo.Record, bool) {
 
 func (w *worker) loop() {
 	defer close(w.done)
+	if !w.startOwnership() {
+		return
+	}
 	switch cfg := &w.r.c.cfg; {
 	case cfg.KeyParallelism > 1:
 		w.loopKeys(cfg.KeyParallelism)

@@ -95,4 +95,10 @@ type Stats struct {
 	// (deadlock, serialization failure, lock timeout) and ran again; they
 	// spend no attempt and are never dead-lettered for it.
 	Contention int64
+	// CrashProbes counts partitions that started in probe because their
+	// previous owner died (see Config.CrashLoopLimit).
+	CrashProbes int64
+	// CrashLoops counts records dead-lettered because the process died
+	// while running them CrashLoopLimit times (class crash_loop).
+	CrashLoops int64
 }

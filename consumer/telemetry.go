@@ -23,6 +23,7 @@ type instruments struct {
 	retries         metric.Int64Counter
 	contention      metric.Int64Counter
 	deadLettered    metric.Int64Counter
+	crashProbes     metric.Int64Counter
 	commitLag       metric.Int64ObservableGauge
 	inboxRows       metric.Int64ObservableGauge
 	base            metric.MeasurementOption
@@ -53,6 +54,9 @@ func newInstruments(m metric.Meter, cfg *Config) (*instruments, error) {
 	add(err)
 	in.deadLettered, err = m.Int64Counter("oncely.consumer.dead_lettered", metric.WithUnit("{message}"),
 		metric.WithDescription("Records written to a dead-letter topic."))
+	add(err)
+	in.crashProbes, err = m.Int64Counter("oncely.consumer.crash_probes", metric.WithUnit("{partition}"),
+		metric.WithDescription("Partitions that started in probe, one record at a time, because their previous owner died."))
 	add(err)
 	in.commitLag, err = m.Int64ObservableGauge("oncely.consumer.commit_lag", metric.WithUnit("{message}"),
 		metric.WithDescription("Per partition: high watermark minus the offset committed by this member."))

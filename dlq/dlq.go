@@ -62,12 +62,13 @@ const (
 	ClassMaxAttempts Class = "max_attempts" // transient errors until MaxAttempts
 	ClassPanic       Class = "panic"        // the last of MaxAttempts attempts panicked
 	ClassOversized   Class = "oversized"    // larger than the configured limit
+	ClassCrashLoop   Class = "crash_loop"   // the process died while running it, CrashLoopLimit times
 )
 
 // Valid reports whether c is one of the defined classes.
 func (c Class) Valid() bool {
 	switch c {
-	case ClassUndecodable, ClassPermanent, ClassMaxAttempts, ClassPanic, ClassOversized:
+	case ClassUndecodable, ClassPermanent, ClassMaxAttempts, ClassPanic, ClassOversized, ClassCrashLoop:
 		return true
 	}
 	return false

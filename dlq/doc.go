@@ -10,7 +10,11 @@
 // error marked with [Permanent] ([ClassPermanent]); both markers are found
 // through wrapping with errors.As. Other errors and panics are retried with
 // backoff up to the consumer's MaxAttempts and then dead-lettered
-// ([ClassMaxAttempts], or [ClassPanic] when the last attempt panicked).
+// ([ClassMaxAttempts], or [ClassPanic] when the last attempt panicked). A
+// record whose processing killed the process (os.Exit, out of memory, a
+// panic in a goroutine the handler started) as many times as the consumer's
+// CrashLoopLimit is dead-lettered when its partition next starts
+// ([ClassCrashLoop]).
 //
 // # The record
 //

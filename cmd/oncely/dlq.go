@@ -40,7 +40,7 @@ func (d *dlqFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&d.topic, "topic", "", "dead-letter topic to read (required), e.g. orders.dlq")
 	fs.StringVar(&d.source, "source-topic", "", "only records dead-lettered from this topic")
 	fs.StringVar(&d.group, "group", "", "only records dead-lettered by this consumer group")
-	fs.StringVar(&d.class, "class", "", "only this error class: undecodable, permanent, max_attempts, panic, oversized")
+	fs.StringVar(&d.class, "class", "", "only this error class: undecodable, permanent, max_attempts, panic, oversized, crash_loop")
 	fs.StringVar(&d.messageID, "message-id", "", "only this dedup id")
 	fs.StringVar(&d.since, "since", "", "only last failures at or after this time (RFC 3339, or a duration ago such as 24h)")
 	fs.StringVar(&d.until, "until", "", "only last failures before this time (RFC 3339, or a duration ago)")

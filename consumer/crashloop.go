@@ -1,0 +1,261 @@
+package consumer
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/sqlident"
+)
+
+// A record that kills the process (os.Exit, running out of memory, a panic
+// in a goroutine its handler started) leaves no error to count: the next
+// owner of its partition receives it again, and would die again, for ever.
+// The partition_owners table (migration 0006) carries what survives the
+// process:
+//
+//   - A worker writes its partition's row before it processes a record
+//     (ownerQueries.start), and deletes it when the partition leaves the
+//     member cleanly, after the final offset commit (run.forget). A row that
+//     is already there when a worker starts says that the previous owner
+//     died: it did not let the partition go.
+//   - Such a partition starts in probe (worker.loopProbe): the records it
+//     holds when it starts (up to the high watermark of its first fetch,
+//     which bounds every record its previous owner can have been running)
+//     run one at a time, each in its own transaction, in every mode, and
+//     one at a time across all the member's probing partitions. Before each
+//     one's handler runs, its offset and id are written to the row
+//     (ownerQueries.mark). If the process dies then, the mark names the
+//     record it was running, and only that one.
+//   - The next start counts the death against the marked record if the
+//     inbox does not hold it as processed (it did not finish): it becomes
+//     the suspect, and suspect_kills counts the deaths while it ran. A
+//     death while no record was running (idle, between records, waiting for
+//     another partition's turn) counts against none. A probe that meets the
+//     suspect again, not yet in the inbox, with CrashLoopLimit deaths
+//     counted, dead-letters it (class crash_loop) through the ordinary
+//     dead-letter path instead of running it.
+//
+// Nothing of this runs on the hot path: one statement when a partition is
+// assigned and one when it is revoked; a mark per record only while probing.
+
+// ownerQueries are the statements on the partition_owners table, built once.
+type ownerQueries struct {
+	table, start, mark, forget string
+}
+
+func newOwnerQueries(schema string) *ownerQueries {
+	t := sqlident.Table(schema, "partition_owners")
+	// The record marked running when the owner died, and not processed
+	// since: the one the process was running.
+	died := `p.running_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ` + sqlident.Table(schema, "inbox") +
+		` i WHERE i.consumer_group = p.consumer_group AND i.message_id = p.running_id AND i.outcome = 'processed')`
+	return &ownerQueries{
+		table: t,
+		// A row already there: its owner died. The death counts against
+		// the record it was running, if any.
+		start: `INSERT INTO ` + t + ` AS p (consumer_group, topic, partition, owner) VALUES ($1, $2, $3, $4)
+			ON CONFLICT (consumer_group, topic, partition) DO UPDATE SET owner = excluded.owner, started_at = now(),
+				deaths = p.deaths + 1,
+				suspect_kills = CASE WHEN NOT (` + died + `) THEN p.suspect_kills
+					WHEN p.suspect_offset = p.running_offset THEN p.suspect_kills + 1 ELSE 1 END,
+				suspect_offset = CASE WHEN ` + died + ` THEN p.running_offset ELSE p.suspect_offset END,
+				running_offset = NULL, running_id = NULL
+			RETURNING deaths, suspect_offset, suspect_kills`,
+		mark: `UPDATE ` + t + ` SET running_offset = $5, running_id = $6
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND owner = $4`,
+		forget: `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND owner = ANY($2)`,
+	}
+}
+
+// ownership is what a worker learned when it wrote its partition's row.
+type ownership struct {
+	deaths  int   // consecutive previous owners that died; 0: a clean start
+	suspect int64 // the offset of the record that was running when owners died; -1: none
+	kills   int   // deaths while the suspect ran
+}
+
+// DefaultCrashLoopLimit is Config.CrashLoopLimit's default.
+const DefaultCrashLoopLimit = 3
+
+func (c *Consumer) crashLoopOn() bool { return c.owners != nil }
+
+// newOwnerToken names one worker's ownership of its partition.
+func newOwnerToken() string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// startOwnership writes the partition's row and, if its previous owner
+// died, runs the probe. It reports false when the worker was stopped first.
+func (w *worker) startOwnership() bool {
+	c := w.r.c
+	if !c.crashLoopOn() {
+		return true
+	}
+	o := ownership{suspect: -1}
+	if !w.untilDone(func(ctx context.Context) error {
+		var suspect *int64
+		err := c.cfg.Pool.QueryRow(ctx, c.owners.start, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner).
+			Scan(&o.deaths, &suspect, &o.kills)
+		if err == nil && suspect != nil {
+			o.suspect = *suspect
+		}
+		return err
+	}) {
+		return false
+	}
+	if o.deaths == 0 {
+		return true
+	}
+	c.crashProbes.Add(1)
+	c.metrics.crashProbes.Add(w.ctx, 1, c.metricAttrs(attrKey{topic: w.tp.topic}))
+	c.cfg.Logger.Warn("oncely partition starts in probe: its previous owner died without letting it go; its records run one at a time until it passes the ones there now",
+		"topic", w.tp.topic, "partition", w.tp.partition, "deaths", o.deaths, "suspect_offset", o.suspect,
+		"suspect_kills", o.kills, "crash_loop_limit", c.cfg.CrashLoopLimit)
+	return w.loopProbe(o)
+}
+
+// loopProbe runs the partition's records one at a time, marking each before
+// it runs, until it has passed the high watermark of its first fetch. It
+// reports false when the worker was stopped first.
+func (w *worker) loopProbe(o ownership) bool {
+	c := w.r.c
+	until := int64(-1)
+	for {
+		rec, ok := w.next()
+		if !ok {
+			return false
+		}
+		if until < 0 {
+			until = w.hwm.Load() // set before the records were pushed
+		}
+		c.metrics.consumed.Add(w.ctx, 1, c.topicAttrs(rec))
+		if !w.probe(rec, o) {
+			return false
+		}
+		w.markDone(rec)
+		if rec.Offset+1 >= until {
+			c.cfg.Logger.Info("oncely partition probe done", "topic", w.tp.topic, "partition", w.tp.partition, "offset", rec.Offset)
+			return true
+		}
+	}
+}
+
+// probe runs one record of a probing partition: alone in the member, marked
+// in the partition's row; or, when it is the record the previous owners
+// died running CrashLoopLimit times, dead-lettered.
+func (w *worker) probe(rec *kgo.Record, o ownership) bool {
+	c := w.r.c
+	select {
+	case w.r.probeSlot <- struct{}{}:
+	case <-w.stop:
+		return false
+	case <-w.ctx.Done():
+		return false
+	}
+	defer func() { <-w.r.probeSlot }()
+	id, idErr := c.messageID(rec)
+	if idErr != nil {
+		return w.process(rec) // dead-lettered as undecodable at once, never run
+	}
+	if rec.Offset == o.suspect && o.kills >= c.cfg.CrashLoopLimit {
+		if done, ok := w.crashLooped(rec, id, o.kills); done || !ok {
+			return ok
+		}
+	}
+	if !w.untilDone(func(ctx context.Context) error {
+		_, err := c.cfg.Pool.Exec(ctx, c.owners.mark, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, rec.Offset, id)
+		return err
+	}) {
+		return false
+	}
+	return w.process(rec)
+}
+
+// crashLooped dead-letters rec, which the process died running kills times,
+// unless the inbox holds it already (it finished before the death that
+// counted last). done reports that rec needs nothing more; ok is false when
+// the worker was stopped first.
+func (w *worker) crashLooped(rec *kgo.Record, id string, kills int) (done, ok bool) {
+	c := w.r.c
+	claimed := false
+	if !w.untilDone(func(ctx context.Context) error {
+		o, err := c.inbox.Lookup(ctx, c.cfg.Pool, c.cfg.Group, id)
+		switch {
+		case err == nil:
+			// A redrive of a dead-lettered record runs again: it may
+			// crash-loop again.
+			claimed = o == dedup.Processed || !isRedrive(rec)
+		case errors.Is(err, dedup.ErrNotClaimed):
+			err = nil
+		}
+		return err
+	}) {
+		return false, false
+	}
+	if claimed {
+		return false, true // a duplicate now: the record path skips it
+	}
+	now := time.Now()
+	if !w.deadLetter(rec, id, failure{
+		class: dlq.ClassCrashLoop, attempts: kills, first: now, last: now,
+		err: fmt.Errorf("consumer: the process died %d times while this record was being processed (CrashLoopLimit %d)", kills, c.cfg.CrashLoopLimit),
+	}) {
+		return false, false
+	}
+	c.crashLoops.Add(1)
+	c.cfg.Logger.Error("oncely record killed the process repeatedly; dead-lettered as a crash loop", "topic", rec.Topic,
+		"partition", rec.Partition, "offset", rec.Offset, "message_id", id, "deaths", kills, "dlq_topic", c.cfg.DeadLetterTopic(rec.Topic))
+	return true, true
+}
+
+// untilDone runs a statement of the partition's own until the database
+// answers it, waiting with backoff (as the partition does) meanwhile. It
+// reports false when the worker was stopped first.
+func (w *worker) untilDone(stmt func(ctx context.Context) error) bool {
+	c := w.r.c
+	for n := 1; ; n++ {
+		err := stmt(w.ctx)
+		if err == nil {
+			w.databaseDown(false)
+			return true
+		}
+		if w.ctx.Err() != nil {
+			return false
+		}
+		w.databaseDown(true)
+		c.cfg.Logger.Warn("oncely partition owner statement failed; retrying", "topic", w.tp.topic, "partition", w.tp.partition, "err", err)
+		if !w.sleep(c.backoff.Delay(n)) {
+			return false
+		}
+	}
+}
+
+// forget deletes the rows of ws's partitions: they leave the member cleanly,
+// so their next owner starts without a probe. A crashed run forgets nothing.
+// A row of a partition that moved on already belongs to its next owner and
+// is left alone (the owner token differs).
+func (r *run) forget(ctx context.Context, ws []*worker) {
+	c := r.c
+	if !c.crashLoopOn() || r.crashed.Load() || len(ws) == 0 {
+		return
+	}
+	owners := make([]string, 0, len(ws))
+	for _, w := range ws {
+		owners = append(owners, w.owner)
+	}
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
+	defer cancel()
+	if _, err := c.cfg.Pool.Exec(fctx, c.owners.forget, c.cfg.Group, owners); err != nil {
+		c.cfg.Logger.Warn("oncely could not record that partitions left cleanly; their next owner will probe them", "err", err)
+	}
+}

@@ -1,0 +1,365 @@
+package integration_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/testhook"
+)
+
+// The crash-loop worker runs in a child process (this test binary, run again
+// with crashLoopChildEnv set): its handler exits the process on the poison
+// record, as a handler that runs out of memory or calls os.Exit would.
+const (
+	crashLoopChildEnv = "ONCELY_CRASHLOOP_CHILD" // brokers|database url|schema|topic|group|poison id|limit
+	crashLoopExitCode = 3
+)
+
+// TestCrashLoopChildWorker is the child process's body; it is skipped in an
+// ordinary run.
+func TestCrashLoopChildWorker(t *testing.T) {
+	spec := os.Getenv(crashLoopChildEnv)
+	if spec == "" {
+		t.Skip("runs only as the child process of TestCrashLoopRecordIsDeadLettered")
+	}
+	f := strings.Split(spec, "|")
+	if len(f) != 7 {
+		t.Fatalf("%s=%q: want 7 fields", crashLoopChildEnv, spec)
+	}
+	limit, err := strconv.Atoi(f[6])
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	pool, err := testenv.NewPool(ctx, f[1], f[2], 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	e := &env{t: t, db: &testenv.DB{URL: f[1], Schema: f[2], Pool: pool},
+		kafka: &testenv.Kafka{Brokers: strings.Split(f[0], ",")}, topic: f[3], group: f[4]}
+	poison := f[5]
+	apply := recordEffect("child")
+	cfg := e.config("child", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if m.ID == poison {
+			os.Exit(crashLoopExitCode) // what no recover can catch
+		}
+		return apply(ctx, tx, m)
+	})
+	cfg.CrashLoopLimit = limit
+	// Static membership: each restart takes the partitions back at once,
+	// without waiting for the dead member's session to time out.
+	cfg.InstanceID = "crashloop-worker"
+	c, err := consumer.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Run(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// child is one run of the crash-loop worker.
+type child struct {
+	cmd  *exec.Cmd
+	out  *bytes.Buffer
+	done chan struct{}
+	err  error
+}
+
+func (e *env) startCrashLoopChild(t *testing.T, poison string, limit int) *child {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashLoopChildWorker$", "-test.count=1")
+	cmd.Env = append(os.Environ(), crashLoopChildEnv+"="+strings.Join([]string{
+		strings.Join(e.kafka.Brokers, ","), e.db.URL, e.db.Schema, e.topic, e.group, poison, strconv.Itoa(limit)}, "|"))
+	ch := &child{cmd: cmd, out: &bytes.Buffer{}, done: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = ch.out, ch.out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		defer close(ch.done)
+		ch.err = cmd.Wait()
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-ch.done
+	})
+	return ch
+}
+
+func (ch *child) exitCode() int {
+	var ee *exec.ExitError
+	if errors.As(ch.err, &ee) {
+		return ee.ExitCode()
+	}
+	if ch.err != nil {
+		return -1
+	}
+	return 0
+}
+
+// A record whose handler kills the process crash-loops the worker until the
+// partition's probe has seen it kill CrashLoopLimit processes; the next
+// start dead-letters it (class crash_loop) and the partition moves on.
+// Every other record is applied once, the poison is in the dead-letter topic
+// once with its provenance, and after a clean shutdown no partition is left
+// marked as owned.
+func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	const limit = 2
+	e := newEnv(t, 2)
+	e.createDLQTopic(t)
+	var msgs []msg
+	for i := range 10 {
+		msgs = append(msgs, msg{id: fmt.Sprint("p0-before-", i), partition: 0, key: fmt.Sprint("k-", i%4)})
+	}
+	msgs = append(msgs, msg{id: "poison", partition: 0, key: "k-1"})
+	const poisonOffset = 10
+	for i := range 10 {
+		msgs = append(msgs, msg{id: fmt.Sprint("p0-after-", i), partition: 0, key: fmt.Sprint("k-", i%4)})
+	}
+	for i := range 20 {
+		msgs = append(msgs, msg{id: fmt.Sprint("p1-", i), partition: 1, key: fmt.Sprint("k-", i%4)})
+	}
+	e.produce(t, msgs)
+	goods := int64(len(msgs) - 1)
+
+	caughtUp := func() bool {
+		return e.count(t, `SELECT count(*) FROM inbox WHERE message_id = 'poison' AND outcome = 'dead_lettered'`) == 1 &&
+			e.count(t, `SELECT count(*) FROM effects`) == goods && e.committedLag(t) == 0
+	}
+	deaths := 0
+	for {
+		if deaths > limit+1 {
+			t.Fatalf("the worker died %d times; the poison should have been dead-lettered after %d", deaths, limit+1)
+		}
+		ch := e.startCrashLoopChild(t, "poison", limit)
+		var exited bool
+		testenv.Eventually(t, 2*time.Minute, "the worker to die on the poison or to catch up past it", func() bool {
+			select {
+			case <-ch.done:
+				exited = true
+				return true
+			default:
+				return caughtUp()
+			}
+		})
+		if exited {
+			if code := ch.exitCode(); code != crashLoopExitCode {
+				t.Fatalf("the worker exited with %v (code %d), not on the poison; its output:\n%s", ch.err, code, ch.out)
+			}
+			deaths++
+			continue
+		}
+		// Caught up: a clean shutdown.
+		if err := ch.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-ch.done:
+		case <-time.After(time.Minute):
+			t.Fatal("the worker did not stop within a minute of SIGTERM")
+		}
+		if ch.err != nil {
+			t.Fatalf("the last worker exited with %v; its output:\n%s", ch.err, ch.out)
+		}
+		break
+	}
+	// The first death came outside a probe, and counts against no record;
+	// each later one counted against the poison.
+	if deaths != limit+1 {
+		t.Errorf("the worker died %d times before the poison was dead-lettered, want %d", deaths, limit+1)
+	}
+
+	e.assertExactlyOnce(t, goods)
+	if n := e.count(t, `SELECT count(*) FROM effects WHERE message_id = 'poison'`); n != 0 {
+		t.Errorf("the poison has %d effects", n)
+	}
+	entries := e.dlqEntries(t)
+	if len(entries) != 1 || entries[0].Err != nil || entries[0].Copies != 1 {
+		t.Fatalf("dead-letter topic: %d entries (%+v), want the poison once", len(entries), entries)
+	}
+	info := entries[0].Info
+	if info.MessageID != "poison" || info.Class != dlq.ClassCrashLoop || info.Topic != e.topic || info.Partition != 0 ||
+		info.Offset != poisonOffset || info.Group != e.group || info.Attempts != limit || info.Timestamp.IsZero() {
+		t.Errorf("dead letter %+v: want poison, class crash_loop, from %s/0@%d, group %s, %d deaths", info, e.topic, poisonOffset, e.group, limit)
+	}
+	if want := fmt.Sprintf("died %d times", limit); !strings.Contains(info.Error, want) {
+		t.Errorf("dead letter error %q does not say %q", info.Error, want)
+	}
+	if string(entries[0].Record.Value) != "poison" || string(entries[0].Record.Key) != "k-1" {
+		t.Errorf("dead letter key/value %q/%q, want the poison's", entries[0].Record.Key, entries[0].Record.Value)
+	}
+	if o, err := dedup.MustNew(e.db.Schema).Lookup(context.Background(), e.db.Pool, e.group, "poison"); err != nil || o != dedup.DeadLettered {
+		t.Errorf("inbox outcome of the poison = %q, %v; want dead_lettered", o, err)
+	}
+	if off := e.committedOffset(t, 0); off != int64(len(msgs)-20) {
+		t.Errorf("partition 0's committed offset is %d, want %d: past the poison and the records after it", off, len(msgs)-20)
+	}
+	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+		t.Errorf("%d partitions still marked as owned after a clean shutdown", n)
+	}
+}
+
+// Partitions that leave a member cleanly (a graceful shutdown, a rebalance
+// to a second member) never count as a death, even when the member left in
+// the middle of a probe, with a record marked and running: with
+// CrashLoopLimit 1 that record would otherwise be dead-lettered at the next
+// start. Only the simulated crash at the start puts partitions in probe.
+func TestCleanExitsNeverCountAsCrashes(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	e.createDLQTopic(t)
+	withLimit := func(cfg consumer.Config) consumer.Config {
+		cfg.CrashLoopLimit = 1
+		return cfg
+	}
+
+	// A dies (simulated: it stops at once and lets nothing go) after
+	// committing a record on each partition.
+	hooks := &testhook.Consumer{AfterCommit: func(rec *kgo.Record) error {
+		if strings.HasPrefix(string(rec.Value), "crash") {
+			return testhook.ErrCrash
+		}
+		return nil
+	}}
+	e.produce(t, []msg{{id: "first-0", partition: 0}, {id: "first-1", partition: 1}})
+	a := e.start(context.Background(), withLimit(e.config("a", recordEffect("a"))))
+	eventually(t, time.Minute, "A to process a record on each partition", func() bool { return a.c.Stats().Processed == 2 })
+	if err := a.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+		t.Fatalf("%d partitions marked as owned after A's graceful shutdown", n)
+	}
+	// A graceful shutdown is no death: B starts without a probe.
+	b := e.start(testhook.WithConsumer(context.Background(), hooks), withLimit(e.config("b", recordEffect("b"))))
+	e.produce(t, []msg{{id: "second-0", partition: 0}, {id: "second-1", partition: 1}})
+	eventually(t, time.Minute, "B to process a record on each partition", func() bool { return b.c.Stats().Processed == 2 })
+	if s := b.c.Stats(); s.CrashProbes != 0 {
+		t.Fatalf("B started %d partitions in probe after A's graceful shutdown", s.CrashProbes)
+	}
+	eventually(t, time.Minute, "B's offsets to be committed", func() bool { return e.committedLag(t) == 0 })
+	e.produce(t, []msg{{id: "crash", partition: 0}})
+	if err := b.wait(t, time.Minute); !errors.Is(err, testhook.ErrCrash) {
+		t.Fatalf("B's Run = %v, want the simulated crash", err)
+	}
+
+	// C starts after B's death: both partitions in probe. Its handler
+	// blocks on "slow" until C's shutdown abandons it, with "slow" marked
+	// as the record the probe runs; partition 1's probe waits its turn.
+	entered := make(chan struct{})
+	var once sync.Once
+	slowC := func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if m.ID == "slow" {
+			once.Do(func() { close(entered) })
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return recordEffect("c")(ctx, tx, m)
+	}
+	e.produce(t, []msg{{id: "slow", partition: 0}, {id: "after-slow", partition: 1}})
+	cfgC := withLimit(e.config("c", slowC))
+	cfgC.ShutdownTimeout = 2 * time.Second
+	c := e.start(context.Background(), cfgC)
+	c.await(t, entered)
+	eventually(t, time.Minute, "C to start both partitions in probe", func() bool { return c.c.Stats().CrashProbes == 2 })
+	if n := e.count(t, `SELECT count(*) FROM partition_owners WHERE partition = 0 AND running_offset = 3`); n != 1 {
+		t.Fatalf("the probe did not mark slow (offset 3) before running it")
+	}
+	if err := c.stop(t); err != nil {
+		t.Fatal(err)
+	}
+
+	// D and then E (a second member: a rebalance moves a partition to it)
+	// start with no probe, and slow is processed, not dead-lettered.
+	d := e.start(context.Background(), withLimit(e.config("d", recordEffect("d"))))
+	e.produce(t, []msg{{id: "d-0", partition: 0}, {id: "d-1", partition: 1}})
+	eventually(t, time.Minute, "D to hold both partitions and process slow", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id IN ('slow', 'after-slow', 'd-0', 'd-1')`) == 4 &&
+			d.c.Stats().PartitionsHeld == 2
+	})
+	if n := e.count(t, `SELECT count(*) FROM effects WHERE message_id = 'slow' AND member = 'd'`); n != 1 {
+		t.Fatalf("slow was not processed by D")
+	}
+	ee := e.start(context.Background(), withLimit(e.config("e", recordEffect("e"))))
+	eventually(t, time.Minute, "the rebalance to move a partition from D to E", func() bool { return d.c.Stats().PartitionsHeld == 1 })
+	var late []msg
+	for i := range 10 {
+		late = append(late, msg{id: fmt.Sprint("late-", i), partition: int32(i % 2)})
+	}
+	e.produce(t, late)
+	eventually(t, time.Minute, "D and E to catch up", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id LIKE 'late-%'`) == 10 && e.committedLag(t) == 0
+	})
+	if ds, es := d.c.Stats(), ee.c.Stats(); ds.CrashProbes != 0 || es.CrashProbes != 0 || ds.CrashLoops+es.CrashLoops != 0 {
+		t.Errorf("after clean exits: D %d probes, %d crash loops; E %d probes, %d crash loops; want none",
+			ds.CrashProbes, ds.CrashLoops, es.CrashProbes, es.CrashLoops)
+	}
+	if es := ee.c.Stats(); es.Processed == 0 {
+		t.Error("E processed nothing: the rebalance gave it no partition with records")
+	}
+	for _, m := range []*member{d, ee} {
+		if err := m.stop(t); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := len(e.dlqEntries(t)); n != 0 {
+		t.Errorf("%d records dead-lettered; clean exits must never count", n)
+	}
+	e.assertExactlyOnce(t, 2+2+1+2+2+10) // first-*, second-*, crash, slow, after-slow, d-*, late-*
+	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+		t.Errorf("%d partitions still marked as owned after clean shutdowns", n)
+	}
+}
+
+// A schema migrated before partition_owners existed fails Run at start-up,
+// naming the table, unless crash-loop detection is off (CrashLoopLimit -1):
+// then the consumer needs only the inbox.
+func TestMissingPartitionOwnersFailsAtStart(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	if _, err := e.db.Pool.Exec(context.Background(), `DROP TABLE partition_owners`); err != nil {
+		t.Fatal(err)
+	}
+	c, err := consumer.New(e.config("a", recordEffect("a")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := c.Run(ctx); !errors.Is(err, consumer.ErrNotMigrated) || !strings.Contains(err.Error(), e.db.Schema+`"."partition_owners"`) {
+		t.Fatalf("Run = %v; want ErrNotMigrated naming %s.partition_owners", err, e.db.Schema)
+	}
+
+	cfg := e.config("b", recordEffect("b"))
+	cfg.CrashLoopLimit = -1
+	b := e.start(context.Background(), cfg)
+	e.produce(t, uniqueMsgs("m", 5, 1))
+	eventually(t, time.Minute, "the consumer without crash-loop detection to process the records", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects`) == 5
+	})
+	if err := b.stop(t); err != nil {
+		t.Fatal(err)
+	}
+}
