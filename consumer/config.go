@@ -189,7 +189,7 @@ type Config struct {
 	// counted, dead-letters it instead of running it, and the partition goes
 	// on. The death of an owner that was not probing is put down to no
 	// record (it may have been running several), so a record that kills
-	// every run is dead-lettered on the start after it killed
+	// every run is dead-lettered on the start after it killed at most
 	// CrashLoopLimit+1 processes (CrashLoopLimit of them in probe). A
 	// partition whose owner died while it was idle, or between records,
 	// dead-letters nothing. A member revoked, shut down or fenced without

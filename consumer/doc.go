@@ -41,6 +41,37 @@
 // if the inbox holds its id as dead-lettered, and is a duplicate if the id
 // was processed since.
 //
+// # Records that kill the process
+//
+// A handler that kills the process (os.Exit, running out of memory, a panic
+// in a goroutine it started) leaves no error to count: Message.Attempt
+// starts again in each process, and every owner of the partition would die
+// on the record in turn. So each partition a member processes has a row in
+// the partition_owners table (migration 0006), written when its worker
+// starts and deleted when the partition leaves the member cleanly (a
+// revoke, a shutdown, after the final offset commit). A member that finds
+// the row already there knows that the previous owner died, and runs the
+// partition in probe until it has passed the records there when it
+// started: one record at a time, each in its own transaction, whatever
+// the mode, and one at a time across all of the member's probing
+// partitions, each record's offset and id written to the row before its
+// handler runs. When the process dies, the next start counts the death
+// against the record marked then if the inbox does not hold it as
+// processed; when Config.CrashLoopLimit deaths are counted against it, the
+// probe dead-letters it (class crash_loop, its error saying how many
+// processes it killed) through the dead-letter path above, instead of
+// running it, and the partition goes on. A death while the partition was
+// idle, between records or outside a probe counts against no record, so
+// the record that kills every process is dead-lettered on the start after
+// it killed at most CrashLoopLimit+1 of them. Probing partitions take turns, so a
+// marked record is never blamed for another probing partition's record; a
+// partition not in probe can still kill the process while a marked record
+// runs, which blames that record once (it is dead-lettered only after
+// CrashLoopLimit such deaths on it). Ordinary processing pays
+// nothing for this: a statement when a partition is assigned and one when
+// it is revoked. A probe does pay: after a crash, the backlog a partition
+// held runs one record at a time, with a mark per record.
+//
 // # Batches and key parallelism
 //
 // With Config.BatchSize above 1, up to BatchSize records of a partition
