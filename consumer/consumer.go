@@ -570,7 +570,9 @@ type worker struct {
 	r  *run
 	tp tp
 
-	owner   string             // this ownership of the partition (partition_owners)
+	owner     string      // this ownership of the partition (partition_owners)
+	forgotten atomic.Bool // its partition_owners row was deleted: it left cleanly
+
 	ctx     context.Context    // cancelled to abandon the in-flight record
 	abandon context.CancelFunc //
 	stop    chan struct{}      // closed: finish the in-flight attempt, start nothing new

@@ -251,7 +251,12 @@ func (r *run) forget(ctx context.Context, ws []*worker) {
 	}
 	owners := make([]string, 0, len(ws))
 	for _, w := range ws {
-		owners = append(owners, w.owner)
+		if !w.forgotten.Swap(true) { // a shutdown forgets, then leaving revokes
+			owners = append(owners, w.owner)
+		}
+	}
+	if len(owners) == 0 {
+		return
 	}
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
 	defer cancel()

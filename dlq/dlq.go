@@ -62,7 +62,7 @@ const (
 	ClassMaxAttempts Class = "max_attempts" // transient errors until MaxAttempts
 	ClassPanic       Class = "panic"        // the last of MaxAttempts attempts panicked
 	ClassOversized   Class = "oversized"    // larger than the configured limit
-	ClassCrashLoop   Class = "crash_loop"   // the process died while running it, CrashLoopLimit times
+	ClassCrashLoop   Class = "crash_loop"   // the process died while running it CrashLoopLimit times (Attempts: the deaths)
 )
 
 // Valid reports whether c is one of the defined classes.

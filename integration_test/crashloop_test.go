@@ -363,3 +363,57 @@ func TestMissingPartitionOwnersFailsAtStart(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Deaths while a partition is idle count against no record: partition 0's
+// owner dies three times (a crash on partition 1), once after finishing a
+// record of partition 0 and twice with nothing to do on it, its committed
+// offset the same each time. With CrashLoopLimit 1 the records that come
+// later are processed, none dead-lettered, although the partition starts
+// in probe.
+func TestIdleCrashesDeadLetterNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	e.createDLQTopic(t)
+	config := func(name string) consumer.Config {
+		cfg := e.config(name, recordEffect(name))
+		cfg.CrashLoopLimit = 1
+		return cfg
+	}
+	e.produce(t, []msg{{id: "idle-0", partition: 0}})
+	for i := range 3 {
+		crash := fmt.Sprint("crash-", i)
+		hooks := &testhook.Consumer{AfterCommit: func(rec *kgo.Record) error {
+			if string(rec.Value) == crash {
+				return testhook.ErrCrash
+			}
+			return nil
+		}}
+		m := e.start(testhook.WithConsumer(context.Background(), hooks), config(fmt.Sprint("m", i)))
+		eventually(t, time.Minute, "partition 0's record to be processed and committed", func() bool {
+			return e.count(t, `SELECT count(*) FROM effects WHERE message_id = 'idle-0'`) == 1 && e.committedOffset(t, 0) == 1
+		})
+		e.produce(t, []msg{{id: crash, partition: 1}})
+		if err := m.wait(t, time.Minute); !errors.Is(err, testhook.ErrCrash) {
+			t.Fatalf("member %d: Run = %v, want the simulated crash", i, err)
+		}
+	}
+	last := e.start(context.Background(), config("last"))
+	var late []msg
+	for i := range 5 {
+		late = append(late, msg{id: fmt.Sprint("late-", i), partition: 0})
+	}
+	e.produce(t, late)
+	eventually(t, time.Minute, "the late records to be processed", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id LIKE 'late-%'`) == 5 && e.committedLag(t) == 0
+	})
+	if s := last.c.Stats(); s.CrashProbes == 0 || s.CrashLoops != 0 || s.DeadLettered != 0 {
+		t.Errorf("last member: %d probes, %d crash loops, %d dead letters; want a probe and no dead letter", s.CrashProbes, s.CrashLoops, s.DeadLettered)
+	}
+	if err := last.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(e.dlqEntries(t)); n != 0 {
+		t.Errorf("%d records dead-lettered after deaths while the partition was idle", n)
+	}
+	e.assertExactlyOnce(t, 1+3+5) // idle-0, crash-*, late-*
+}
