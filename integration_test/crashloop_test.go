@@ -225,7 +225,7 @@ func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
 // to a second member) never count as a death, even when the member left in
 // the middle of a probe, with a record marked and running: with
 // CrashLoopLimit 1 that record would otherwise be dead-lettered at the next
-// start. Only the simulated crash at the start puts partitions in probe.
+// start. Only B's simulated crash puts partitions in probe.
 func TestCleanExitsNeverCountAsCrashes(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 2)
