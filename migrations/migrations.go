@@ -67,6 +67,7 @@ type Migrator struct {
 
 type queries struct {
 	createSchema, createVersions, selectApplied, insertVersion, deleteVersion, searchPath string
+	versions, versionsExist                                                               string
 }
 
 // New returns a Migrator for db. It fails if the schema name is not valid.
@@ -98,6 +99,8 @@ func New(db Beginner, cfg Config) (*Migrator, error) {
 			insertVersion: "INSERT INTO " + versions + " (version, name) VALUES ($1, $2)",
 			deleteVersion: "DELETE FROM " + versions + " WHERE version = $1",
 			searchPath:    "SET LOCAL search_path TO " + sqlident.Quote(schema),
+			versions:      versions,
+			versionsExist: "SELECT to_regclass($1) IS NOT NULL",
 		},
 	}, nil
 }
@@ -176,6 +179,41 @@ func (m *Migrator) Status(ctx context.Context) ([]MigrationStatus, error) {
 		return nil
 	})
 	return out, err
+}
+
+// Pending returns the migrations not applied to the schema yet, in version
+// order: all of them when the schema or its version table does not exist.
+// Unlike Status it only reads: it takes no lock and creates nothing, so it
+// suits a start-up check by a role that may not change the schema.
+func (m *Migrator) Pending(ctx context.Context) ([]Migration, error) {
+	tx, err := m.db.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("migrations: begin: %w", err)
+	}
+	defer rollback(ctx, tx)
+	var exists bool
+	if err := tx.QueryRow(ctx, m.q.versionsExist, m.q.versions).Scan(&exists); err != nil {
+		return nil, fmt.Errorf("migrations: read versions: %w", err)
+	}
+	applied := map[int]bool{}
+	if exists {
+		rows, err := tx.Query(ctx, m.q.selectApplied)
+		if err != nil {
+			return nil, fmt.Errorf("migrations: read versions: %w", err)
+		}
+		var v int
+		var at time.Time
+		if _, err := pgx.ForEachRow(rows, []any{&v, &at}, func() error { applied[v] = true; return nil }); err != nil {
+			return nil, fmt.Errorf("migrations: read versions: %w", err)
+		}
+	}
+	var out []Migration
+	for _, mig := range m.migrations {
+		if !applied[mig.Version] {
+			out = append(out, mig)
+		}
+	}
+	return out, nil
 }
 
 // locked runs fn in a transaction holding the schema's migration lock, with

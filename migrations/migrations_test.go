@@ -711,3 +711,43 @@ func TestUpOnCancelledContext(t *testing.T) {
 		t.Error("inbox created by an Up that failed")
 	}
 }
+
+// TestPendingReadsOnly: Pending lists every migration of a schema that does
+// not exist without creating it, and the ones above a Down's target after it.
+func TestPendingReadsOnly(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	ctx := testCtx(t)
+	all := allMigrations(t)
+	schema := db.Schema + "_pending"
+	m := newMigrator(t, db.Pool, schema)
+
+	pending, err := m.Pending(ctx)
+	if err != nil {
+		t.Fatalf("Pending on a missing schema: %v", err)
+	}
+	if !slices.Equal(versions(pending), versions(all)) {
+		t.Errorf("Pending on a missing schema = %v, want all %v", versions(pending), versions(all))
+	}
+	var exists bool
+	if err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists); err != nil {
+		t.Fatal(err)
+	}
+	if exists {
+		t.Errorf("Pending created schema %q", schema)
+	}
+	t.Cleanup(func() { _, _ = db.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+sqlident.Quote(schema)+" CASCADE") })
+
+	if _, err := m.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if pending, err = m.Pending(ctx); err != nil || len(pending) != 0 {
+		t.Errorf("Pending after Up = %v, %v; want none", versions(pending), err)
+	}
+	if _, err := m.Down(ctx, all[1].Version); err != nil {
+		t.Fatal(err)
+	}
+	if pending, err = m.Pending(ctx); err != nil || !slices.Equal(versions(pending), versions(all[2:])) {
+		t.Errorf("Pending after Down to %d = %v, %v; want %v", all[1].Version, versions(pending), err, versions(all[2:]))
+	}
+}
