@@ -1,0 +1,269 @@
+package oncely
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/prometheus/otlptranslator"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+)
+
+// Reason says why one component is not ready.
+type Reason struct {
+	Component string `json:"component"` // "database", `consumer group "orders"`, "outbox relay", `topic "orders.dlq"`, "runner"
+	Reason    string `json:"reason"`
+}
+
+func (r Reason) String() string { return r.Component + ": " + r.Reason }
+
+func reasonList(rs []Reason) string {
+	s := make([]string, len(rs))
+	for i, r := range rs {
+		s[i] = r.String()
+	}
+	return strings.Join(s, "; ")
+}
+
+// NotReadyError is Ready's error: every component that is not ready, and why.
+type NotReadyError struct{ Reasons []Reason }
+
+func (e *NotReadyError) Error() string { return "oncely: not ready: " + reasonList(e.Reasons) }
+
+// health is what the watch loop last found.
+type health struct {
+	mu      sync.Mutex
+	db      error    // the last ping's failure
+	missing []Reason // topics found missing by the last check
+}
+
+// Ready returns nil when Run has started every component and each is ready:
+// the database answered the last ping, each consumer consumes with no
+// partition waiting for the database, the relay publishes, and every
+// consumed topic and dead-letter topic exists. Otherwise it returns a
+// *NotReadyError naming each component that is not.
+func (r *Runner) Ready() error {
+	var rs []Reason
+	if p := *r.phase.Load(); p != phaseRunning {
+		rs = append(rs, Reason{"runner", p})
+	}
+	r.health.mu.Lock()
+	if r.health.db != nil {
+		rs = append(rs, Reason{"database", "unreachable: " + r.health.db.Error()})
+	}
+	rs = append(rs, r.health.missing...)
+	r.health.mu.Unlock()
+	if r.started.Load() {
+		for _, e := range r.consumers {
+			if !e.c.Ready() {
+				rs = append(rs, Reason{fmt.Sprintf("consumer group %q", e.group), "not consuming, or a partition waits for the database"})
+			}
+		}
+		if r.relay != nil && !r.relay.Ready() {
+			rs = append(rs, Reason{"outbox relay", "not publishing, or the database did not answer its last query"})
+		}
+	}
+	if len(rs) == 0 {
+		return nil
+	}
+	return &NotReadyError{Reasons: rs}
+}
+
+// watch pings the database every HealthInterval and checks the topics every
+// ten intervals, until ctx is done.
+func (r *Runner) watch(ctx context.Context) {
+	var cl *kgo.Client
+	defer func() {
+		if cl != nil {
+			cl.Close()
+		}
+	}()
+	t := time.NewTicker(r.cfg.HealthInterval)
+	defer t.Stop()
+	for i := 0; ; i++ {
+		err := r.ping(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		r.health.mu.Lock()
+		r.health.db = err
+		r.health.mu.Unlock()
+		if i%10 == 9 && len(r.consumers) > 0 {
+			if cl == nil {
+				cl, err = r.kafkaClient()
+			}
+			if err == nil {
+				var missing []Reason
+				if missing, err = r.checkTopics(ctx, cl); err == nil {
+					r.health.mu.Lock()
+					r.health.missing = missing
+					r.health.mu.Unlock()
+				}
+			}
+			if err != nil && ctx.Err() == nil {
+				r.cfg.Logger.Warn("oncely: topic check failed", "err", err)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// ping asks the database, unless every pool connection is in use (the
+// components are then talking to it, and a ping would only queue behind
+// them).
+func (r *Runner) ping(ctx context.Context) error {
+	if st := r.cfg.Pool.Stat(); st.AcquiredConns() >= st.MaxConns() {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, max(r.cfg.HealthInterval, time.Second))
+	defer cancel()
+	return r.cfg.Pool.Ping(ctx)
+}
+
+func (r *Runner) kafkaClient() (*kgo.Client, error) {
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(r.cfg.Brokers...)}, r.cfg.KafkaOpts...)...)
+	if err != nil {
+		return nil, fmt.Errorf("oncely: kafka client: %w", err)
+	}
+	return cl, nil
+}
+
+// checkTopics returns a Reason for each consumed topic and dead-letter topic
+// that does not exist. cl nil: a client is made for the check.
+func (r *Runner) checkTopics(ctx context.Context, cl *kgo.Client) ([]Reason, error) {
+	needs := map[string]string{} // topic -> who needs it
+	for _, e := range r.consumers {
+		for _, t := range e.topics {
+			needs[t] = fmt.Sprintf("consumed by group %q", e.group)
+			if _, ok := needs[e.dlq(t)]; !ok {
+				needs[e.dlq(t)] = fmt.Sprintf("the dead-letter topic of %q (group %q)", t, e.group)
+			}
+		}
+	}
+	if len(needs) == 0 {
+		return nil, nil
+	}
+	if cl == nil {
+		var err error
+		if cl, err = r.kafkaClient(); err != nil {
+			return nil, err
+		}
+		defer cl.Close()
+	}
+	topics := slices.Sorted(func(yield func(string) bool) {
+		for t := range needs {
+			if !yield(t) {
+				return
+			}
+		}
+	})
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	details, err := kadm.NewClient(cl).ListTopics(ctx, topics...)
+	if err != nil {
+		return nil, fmt.Errorf("oncely: list topics: %w", err)
+	}
+	var missing []Reason
+	for _, t := range topics {
+		d, ok := details[t]
+		switch {
+		case !ok || errors.Is(d.Err, kerr.UnknownTopicOrPartition):
+			missing = append(missing, Reason{fmt.Sprintf("topic %q", t), "does not exist; it is " + needs[t]})
+		case d.Err != nil:
+			return nil, fmt.Errorf("oncely: topic %q: %w", t, d.Err)
+		}
+	}
+	return missing, nil
+}
+
+// Handler serves GET /livez, GET /readyz and GET /metrics.
+//
+// /livez answers 200 while Run runs (and before), 503 once it returned.
+// /readyz answers 200 "ready" when Ready returns nil, and 503 otherwise
+// with one "component: reason" line each, or, when the request accepts
+// application/json, {"ready": false, "reasons": [{"component", "reason"}]}.
+func (r *Runner) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) {
+		if *r.phase.Load() == phaseStopped {
+			http.Error(w, "stopped", http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /readyz", r.serveReady)
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, req *http.Request) {
+		if r.metrics == nil {
+			http.Error(w, "no metrics: Config.MeterProvider is set and Config.MetricsHandler is not", http.StatusNotFound)
+			return
+		}
+		r.metrics.ServeHTTP(w, req)
+	})
+	return mux
+}
+
+func (r *Runner) serveReady(w http.ResponseWriter, req *http.Request) {
+	err := r.Ready()
+	var nr *NotReadyError
+	errors.As(err, &nr)
+	w.Header().Set("Cache-Control", "no-store")
+	if strings.Contains(req.Header.Get("Accept"), "application/json") {
+		body := struct {
+			Ready   bool     `json:"ready"`
+			Reasons []Reason `json:"reasons,omitempty"`
+		}{Ready: err == nil}
+		if nr != nil {
+			body.Reasons = nr.Reasons
+		}
+		w.Header().Set("Content-Type", "application/json")
+		if err != nil {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+		_ = json.NewEncoder(w).Encode(body)
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	if err == nil {
+		_, _ = fmt.Fprintln(w, "ready")
+		return
+	}
+	w.WriteHeader(http.StatusServiceUnavailable)
+	_, _ = fmt.Fprintln(w, "not ready")
+	for _, r := range nr.Reasons {
+		_, _ = fmt.Fprintln(w, r.String())
+	}
+}
+
+// PrometheusExporter returns a metric reader to add to an SDK meter
+// provider and the handler that serves its metrics in the Prometheus text
+// format (OpenTelemetry names translated the Prometheus way:
+// messaging.client.consumed.messages becomes
+// messaging_client_consumed_messages_total), from a registry of its own with
+// the Go runtime and process collectors next to them.
+func PrometheusExporter() (sdkmetric.Reader, http.Handler, error) {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	exp, err := otelprom.New(otelprom.WithRegisterer(reg),
+		otelprom.WithTranslationStrategy(otlptranslator.UnderscoreEscapingWithSuffixes))
+	if err != nil {
+		return nil, nil, fmt.Errorf("oncely: prometheus exporter: %w", err)
+	}
+	return exp, promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError}), nil
+}
