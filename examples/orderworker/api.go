@@ -11,8 +11,8 @@ import (
 	"log/slog"
 	"net/http"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
+	"github.com/oncely/oncely"
+	"github.com/oncely/oncely/examples/orderworker/internal/testhalt"
 	"github.com/oncely/oncely/idempotency"
 	"github.com/oncely/oncely/outbox"
 	"github.com/oncely/oncely/webhook"
@@ -33,47 +33,19 @@ const (
 	apiIDPrefix = "order-api:"
 )
 
-// testHaltEnv names a TEST-ONLY environment variable: it makes the worker's
-// POST /orders stop at a crash point, log a line that starts with
-// "ONCELY_TEST", and hang until the client's connection closes, when it
-// aborts without committing or answering. The tests kill the worker (SIGKILL)
-// while it hangs there. Never set it in production.
-const testHaltEnv = "ONCELY_TEST_ORDERS_HALT"
-
-// The crash points of testHaltEnv.
-const (
-	// haltBeforeCommit: after the handler enqueued the order in the
-	// request's transaction, before the middleware records the response
-	// and commits.
-	haltBeforeCommit = "before-commit"
-	// haltAfterCommit: after the commit, before the response's first byte
-	// is written.
-	haltAfterCommit = "after-commit"
-)
-
-func parseTestHalt(s string) (string, error) {
-	switch s {
-	case "", haltBeforeCommit, haltAfterCommit:
-		return s, nil
-	}
-	return "", fmt.Errorf("%q: want %s or %s (test only)", s, haltBeforeCommit, haltAfterCommit)
-}
-
 // httpAPI is POST /webhooks/orders and POST /orders.
 type httpAPI struct {
 	webhook  http.Handler            // the receiver, or a 503 when no secret is configured
 	receiver *webhook.Receiver       // nil when no secret is configured
 	keys     *idempotency.Middleware // behind POST /orders; its cleanup loop runs in the worker
 	orders   http.Handler            // keys.Require(the handler)
-	halt     string                  // testHaltEnv's crash point, "" normally
 }
 
-// newHTTPAPI builds the routes. Nothing here touches the database: the
-// tables exist once the worker's migrations ran, and the routes answer 503
-// until then (see register).
-func newHTTPAPI(cfg workerConfig, pool *pgxpool.Pool, log *slog.Logger) (*httpAPI, error) {
-	ob := outbox.Config{Schema: cfg.Schema} // the relay's outbox
-	a := &httpAPI{halt: cfg.testHalt}
+// newHTTPAPI builds the routes on r's schema and pool. Nothing here touches
+// the database: the tables exist once the worker's migrations ran, and the
+// routes answer 503 until then (see register).
+func newHTTPAPI(cfg workerConfig, r *oncely.Runner, log *slog.Logger) (*httpAPI, error) {
+	a := &httpAPI{}
 	if len(cfg.WebhookSecrets) == 0 {
 		// 503 rather than 404: a provider keeps retrying a 5xx, so the
 		// deliveries it sends before the secret is configured are not
@@ -92,34 +64,17 @@ func newHTTPAPI(cfg workerConfig, pool *pgxpool.Pool, log *slog.Logger) (*httpAP
 		// The receiver checks the method (405), the size (413, 1 MiB)
 		// before the signature (401), then stores the raw body under
 		// the webhook-id as message id and answers 202 after the commit.
-		if a.receiver, err = webhook.New(webhook.Config{
-			Pool:     pool,
-			Outbox:   ob,
-			Topic:    cfg.Topic,
-			Verifier: v,
-			Key:      webhookKey,
-			Logger:   log,
-		}); err != nil {
+		if a.receiver, err = r.Webhook(webhook.Config{Topic: cfg.Topic, Verifier: v, Key: webhookKey}); err != nil {
 			return nil, err
 		}
 		a.webhook = a.receiver
 	}
-
+	// The runner runs the middleware's cleanup of expired keys.
 	var err error
-	if a.keys, err = idempotency.New(pool, idempotency.Config{Schema: cfg.Schema, Logger: log}); err != nil {
+	if a.keys, err = r.Idempotency(idempotency.Config{}); err != nil {
 		return nil, err
 	}
-	orders, err := outbox.New(ob)
-	if err != nil {
-		return nil, err
-	}
-	a.orders = a.keys.Require(&ordersHandler{outbox: orders, topic: cfg.Topic, halt: a.halt, log: log})
-	if a.halt == haltAfterCommit {
-		a.orders = haltAfterCommitHandler(a.orders, log)
-	}
-	if a.halt != "" {
-		log.Warn("ONCELY_TEST: "+testHaltEnv+" is set: POST "+ordersPath+" hangs at the crash point; for tests only", "point", a.halt)
-	}
+	a.orders = testhalt.Wrap(cfg.testHalt, a.keys.Require, &ordersHandler{outbox: r.Outbox(), topic: cfg.Topic, log: log}, log)
 	return a, nil
 }
 
@@ -160,7 +115,6 @@ func webhookKey(_ webhook.Delivery, body []byte) []byte {
 type ordersHandler struct {
 	outbox *outbox.Outbox
 	topic  string
-	halt   string
 	log    *slog.Logger
 }
 
@@ -216,9 +170,6 @@ func (h *ordersHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		// while its outbox row remains: it was accepted before, and
 		// the consumer's inbox dedups any republish.
 		h.log.InfoContext(ctx, "orderworker: POST /orders: order already in the outbox", "order_id", o.OrderID, "message_id", id)
-	}
-	if h.halt == haltBeforeCommit {
-		haltHere(r, h.log, haltBeforeCommit)
 	}
 	writeJSON(w, http.StatusAccepted, orderReceipt{OrderID: o.OrderID, Status: "accepted", MessageID: id})
 }
@@ -276,37 +227,4 @@ func writeProblem(w http.ResponseWriter, status int, detail string) {
 	w.Header().Set("Content-Type", "application/problem+json")
 	w.WriteHeader(status)
 	_, _ = w.Write(b)
-}
-
-// haltHere is the TEST-ONLY crash point (testHaltEnv): it logs the line the
-// tests wait for, hangs until the client's connection is gone, and then
-// aborts the request: no response, and, before the commit, no commit. The
-// tests kill the process while it hangs.
-func haltHere(r *http.Request, log *slog.Logger, point string) {
-	log.Warn("ONCELY_TEST: POST /orders halted", "point", point, "key", r.Header.Get(idempotency.DefaultHeader))
-	<-r.Context().Done()
-	panic(http.ErrAbortHandler)
-}
-
-// haltAfterCommitHandler wraps the middleware: the middleware writes the
-// response only after its commit, so hanging in the first WriteHeader of a
-// fresh 202 hangs between the commit and the response. Replays and refusals
-// pass.
-func haltAfterCommitHandler(next http.Handler, log *slog.Logger) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		next.ServeHTTP(&haltWriter{ResponseWriter: w, r: r, log: log}, r)
-	})
-}
-
-type haltWriter struct {
-	http.ResponseWriter
-	r   *http.Request
-	log *slog.Logger
-}
-
-func (hw *haltWriter) WriteHeader(status int) {
-	if status == http.StatusAccepted && hw.Header().Get(idempotency.ReplayedHeader) == "" {
-		haltHere(hw.r, hw.log, haltAfterCommit)
-	}
-	hw.ResponseWriter.WriteHeader(status)
 }

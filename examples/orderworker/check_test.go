@@ -55,9 +55,6 @@ func TestCheckCommand(t *testing.T) {
 	e := newEnv(t, 2)
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
-	if _, err := e.adm.CreateTopic(ctx, 1, 1, nil, dlq.DefaultTopic(e.topic)); err != nil {
-		t.Fatal(err)
-	}
 	batch := generate(orderSpec{Count: 200, Customers: 5, DupRate: 0.2, PoisonRate: 0.1}, newRand())
 	if len(batch.Poison) != 20 || batch.Duplicates != 44 || len(batch.Deliveries) != 264 {
 		t.Fatalf("generate: %d poison records, %d duplicates, %d deliveries; want 20, 44, 264",

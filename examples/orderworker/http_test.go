@@ -20,6 +20,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/oncely/oncely/examples/orderworker/internal/testhalt"
 	"github.com/oncely/oncely/idempotency"
 	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/webhook"
@@ -423,7 +424,7 @@ func TestOrdersHammer(t *testing.T) {
 // Either way the order has exactly one effect.
 func TestOrdersCrash(t *testing.T) {
 	t.Parallel()
-	for _, point := range []string{haltBeforeCommit, haltAfterCommit} {
+	for _, point := range []string{testhalt.BeforeCommit, testhalt.AfterCommit} {
 		t.Run(point, func(t *testing.T) {
 			t.Parallel()
 			testOrdersCrash(t, point)
@@ -441,7 +442,7 @@ func testOrdersCrash(t *testing.T, point string) {
 	// The first worker's connections carry an application_name of their
 	// own, to find its open transaction in pg_stat_activity.
 	app := testenv.UniqueName("orderworker-crash")
-	w1, base := e.startReady(ctx, "worker-1", []string{testHaltEnv + "=" + point, "DATABASE_URL=" + withAppName(t, e.db.URL, app)},
+	w1, base := e.startReady(ctx, "worker-1", []string{testhalt.Env + "=" + point, "DATABASE_URL=" + withAppName(t, e.db.URL, app)},
 		"--instance-id", "crash-1")
 
 	o, body := testOrder("crash")
@@ -474,7 +475,7 @@ func testOrdersCrash(t *testing.T, point string) {
 	// Where the worker hangs, seen from the database.
 	var stored reply
 	switch point {
-	case haltBeforeCommit:
+	case testhalt.BeforeCommit:
 		// The handler's writes are in an open transaction, idle, waiting
 		// for the halted worker: it has written (an xid is assigned: the
 		// key row and the order in the outbox), and none of it is visible
@@ -489,7 +490,7 @@ func testOrdersCrash(t *testing.T, point string) {
 		if n, err := e.count(ctx, `SELECT count(*) FROM idempotency_keys WHERE key = $1`, key); err != nil || n != 0 {
 			t.Fatalf("%d committed key rows, %v; want 0 before the commit", n, err)
 		}
-	case haltAfterCommit:
+	case testhalt.AfterCommit:
 		// Committed: the key row holds the response the client has not
 		// received, and the order is in the outbox.
 		if err := e.db.Pool.QueryRow(ctx, `SELECT status, body FROM idempotency_keys WHERE key = $1`, key).Scan(&stored.status, &stored.body); err != nil {
@@ -537,11 +538,11 @@ func testOrdersCrash(t *testing.T, point string) {
 		t.Fatalf("retry: %d %s, %v; want 202 with the order's receipt", retry.status, retry.body, err)
 	}
 	switch point {
-	case haltBeforeCommit: // nothing was committed: a fresh run
+	case testhalt.BeforeCommit: // nothing was committed: a fresh run
 		if retry.replayed() {
 			t.Error("the retry was replayed, but nothing had committed")
 		}
-	case haltAfterCommit: // the committed response, which the client never got
+	case testhalt.AfterCommit: // the committed response, which the client never got
 		if !retry.replayed() || !bytes.Equal(retry.body, stored.body) {
 			t.Errorf("retry %s (replayed %v); want the committed response %s replayed", retry.body, retry.replayed(), stored.body)
 		}

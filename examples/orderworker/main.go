@@ -39,8 +39,9 @@
 //	                       (400 without); 202 once stored, and every retry
 //	                       with the key gets the same response back
 //
-// The worker serves GET /healthz and GET /metrics (Prometheus text format)
-// on --http-addr too, exports spans and metrics over OTLP/HTTP when
+// The worker serves GET /healthz (also GET /readyz, with the reasons when
+// not ready), GET /livez and GET /metrics (Prometheus text format) on
+// --http-addr too, exports spans and metrics over OTLP/HTTP when
 // OTEL_EXPORTER_OTLP_ENDPOINT (or its _TRACES_ or _METRICS_ variant) is set,
 // configured by the standard OTEL_* variables, and writes spans to stdout
 // with --trace-stdout. Run `orderworker run -h` for the worker's flags and
@@ -67,6 +68,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/examples/orderworker/internal/testhalt"
 	"github.com/oncely/oncely/internal/kafkaflags"
 	"github.com/oncely/oncely/webhook"
 )
@@ -172,8 +174,8 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	if cfg.WebhookSecrets, err = parseSecrets(*secrets); err != nil {
 		return cfg, invalidFlag("--webhook-secret (WEBHOOK_SECRET)", err)
 	}
-	if cfg.testHalt, err = parseTestHalt(getenv(testHaltEnv)); err != nil {
-		return cfg, invalidFlag(testHaltEnv, err)
+	if cfg.testHalt, err = testhalt.Parse(getenv); err != nil {
+		return cfg, invalidFlag(testhalt.Env, err)
 	}
 	if cfg.OTLPTraces, cfg.OTLPMetrics, err = otlpExport(getenv); err != nil {
 		return cfg, err

@@ -98,6 +98,8 @@ func newEnvOn(t *testing.T, k *testenv.Kafka, partitions int32) *env {
 		events: k.CreateTopic(t, "order_events", partitions),
 		group:  testenv.UniqueName("orderworker"),
 	}
+	// The worker checks at start that its dead-letter topic exists.
+	k.CreateTopicNamed(t, dlq.DefaultTopic(e.topic), 1)
 	e.cl = k.Client(t)
 	e.adm = kadm.NewClient(e.cl)
 	var err error
@@ -811,10 +813,7 @@ func TestPoisonRecord(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	dlqTopic := dlq.DefaultTopic(e.topic)
-	if _, err := e.adm.CreateTopic(ctx, 1, 1, nil, dlqTopic); err != nil {
-		t.Fatal(err)
-	}
+	dlqTopic := dlq.DefaultTopic(e.topic) // created by newEnv
 
 	poisons := []struct {
 		id, value string

@@ -9,15 +9,10 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"github.com/prometheus/otlptranslator"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/exporters/otlp/otlpmetric/otlpmetrichttp"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
-	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	"go.opentelemetry.io/otel/exporters/stdout/stdouttrace"
 	"go.opentelemetry.io/otel/metric"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -26,6 +21,8 @@ import (
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/oncely/oncely"
 )
 
 // serviceName is the worker's service.name, unless OTEL_SERVICE_NAME (or
@@ -95,15 +92,11 @@ func newTelemetry(ctx context.Context, cfg workerConfig, stdout io.Writer, log *
 		return errors.Join(all...)
 	}}
 
-	// Metrics. The registry is the worker's own (not Prometheus's global
-	// one), with the Go runtime and process collectors next to oncely's
-	// metrics.
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	prom, err := otelprom.New(otelprom.WithRegisterer(reg),
-		otelprom.WithTranslationStrategy(otlptranslator.UnderscoreEscapingWithSuffixes))
+	// Metrics: the runner's Prometheus exporter (its own registry, with
+	// the Go runtime and process collectors), and OTLP when configured.
+	prom, metrics, err := oncely.PrometheusExporter()
 	if err != nil {
-		return nil, fmt.Errorf("orderworker: prometheus exporter: %w", err)
+		return nil, err
 	}
 	readers := []sdkmetric.Option{sdkmetric.WithResource(res), sdkmetric.WithReader(prom)}
 	if cfg.OTLPMetrics {
@@ -116,7 +109,7 @@ func newTelemetry(ctx context.Context, cfg workerConfig, stdout io.Writer, log *
 	mp := sdkmetric.NewMeterProvider(readers...)
 	shutdowns = append(shutdowns, mp.Shutdown)
 	t.meterProvider = mp
-	t.metrics = promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
+	t.metrics = metrics
 
 	// Traces.
 	var processors []sdktrace.TracerProviderOption

@@ -12,8 +12,6 @@ import (
 	"net/http"
 	"slices"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -21,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/oncely/oncely"
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/migrations"
@@ -67,21 +66,13 @@ const (
 	orderAcceptedType = "order.accepted"
 )
 
-// The shutdown after SIGTERM, step by step, within the 10s that
-// orchestrators usually grant before they send SIGKILL:
-//
-//   - shutdownTimeout bounds the consumer's drain: finishing the in-flight
-//     records, the final offset commit and leaving the group. The consumer
-//     may overrun it by about a second (abandoned transactions roll back,
-//     the client closes). The relay keeps publishing meanwhile.
-//   - relayFlushTimeout is how long the relay then has to publish the
-//     events of the last transactions. What it does not publish in time
-//     stays in the outbox for the next worker's relay: nothing is lost.
-//   - telemetryFlushTimeout bounds the export of the last spans and
-//     metrics, and the HTTP server takes at most a second.
+// The shutdown after SIGTERM, within the 10s that orchestrators usually
+// grant before they send SIGKILL: the runner's 8s (the HTTP server stops
+// taking requests, the consumer drains for up to 6s, the relay publishes the
+// last events for up to 1s), then up to telemetryFlushTimeout to export the
+// last spans and metrics.
 const (
-	shutdownTimeout       = 6 * time.Second
-	relayFlushTimeout     = time.Second
+	shutdownTimeout       = 8 * time.Second
 	telemetryFlushTimeout = time.Second
 )
 
@@ -98,7 +89,6 @@ type store struct {
 	// customer's balance in one statement.
 	insertOrders  string
 	addToBalances string
-	pending       string // are events waiting in the outbox?
 
 	events      *outbox.Outbox // oncely's outbox table, in the same schema
 	eventsTopic string
@@ -163,8 +153,6 @@ func newStore(schema, eventsTopic string) (*store, error) {
 			ON CONFLICT (customer_id) DO UPDATE SET balance_cents = b.balance_cents + EXCLUDED.balance_cents,
 				order_count = b.order_count + EXCLUDED.order_count
 			RETURNING customer_id, order_count`,
-		// The relay's own index on pending rows answers this.
-		pending: `SELECT EXISTS (SELECT 1 FROM ` + pgx.Identifier{schema, "outbox"}.Sanitize() + ` WHERE sent_at IS NULL)`,
 	}, nil
 }
 
@@ -175,10 +163,8 @@ func newStore(schema, eventsTopic string) (*store, error) {
 // ready yet.
 func (s *store) lockKey() string { return "oncely-orderworker/" + s.schema }
 
-// migrate brings the database up to date: oncely's migrations (all of them:
-// the inbox, the outbox, and the idempotency keys of POST /orders), then the
-// example's tables, each in one transaction under an advisory lock, so any
-// number of instances may run it at once.
+// migrate is a worker's start-up, for the demo and the tests: oncely's
+// migrations, then the example's tables.
 func (s *store) migrate(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger) error {
 	m, err := migrations.New(pool, migrations.Config{Schema: s.schema, Logger: log})
 	if err != nil {
@@ -187,6 +173,13 @@ func (s *store) migrate(ctx context.Context, pool *pgxpool.Pool, log *slog.Logge
 	if _, err := m.Up(ctx); err != nil {
 		return err
 	}
+	return s.createTables(ctx, pool)
+}
+
+// createTables creates the example's tables (oncely's are the runner's
+// migrations), in one transaction under an advisory lock, so any number of
+// instances may run it at once.
+func (s *store) createTables(ctx context.Context, pool *pgxpool.Pool) error {
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`, s.lockKey()); err != nil {
 			return fmt.Errorf("orderworker: lock for migrations: %w", err)
@@ -395,15 +388,14 @@ type workerConfig struct {
 	// WebhookSecrets verify POST /webhooks/orders (Standard Webhooks,
 	// whsec_...; several while rotating). Empty: the route answers 503.
 	WebhookSecrets []string
-	// testHalt is the TEST-ONLY crash point of POST /orders, from
-	// ONCELY_TEST_ORDERS_HALT (see testHaltEnv); "" normally.
+	// testHalt is the TEST-ONLY crash point of POST /orders (package
+	// testhalt); "" normally.
 	testHalt string
 }
 
-// runWorker is the worker: telemetry, the HTTP server (health and metrics),
-// migrations, then the consumer and the outbox relay until ctx is cancelled.
-// It returns nil after a clean shutdown. Spans go to stdout with
-// cfg.TraceStdout.
+// runWorker is the worker: telemetry, then oncely's runner with the
+// consumer, the outbox relay, the idempotency cleanup and the HTTP server,
+// until ctx is cancelled. It returns nil after a clean shutdown.
 func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slog.Logger) error {
 	if len(cfg.Brokers) == 0 {
 		cluster, err := startKfake(cfg.Topic, cfg.EventsTopic)
@@ -415,19 +407,15 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		log.Info("no --brokers: started an in-process kfake cluster; feed it with `orderworker produce --brokers ADDR`",
 			"brokers", cfg.Brokers[0], "topic", cfg.Topic, "events_topic", cfg.EventsTopic)
 	}
-
-	// pgxpool's defaults fit: at most max(4, GOMAXPROCS) connections,
-	// shared by the partition workers and the relay (whose LISTEN takes a
-	// connection of its own). Partition workers beyond that wait for a
-	// connection. Tune with pool_max_conns in the URL.
 	pcfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
 	if err != nil {
 		return err
 	}
-	// Per-key lanes need a connection each, plus the relay's and the
-	// HTTP handlers'; pool_max_conns in the URL wins.
+	// The runner keeps connections for the relay (2), the cleanups (1) and
+	// the HTTP handlers (httpConns); the per-key lanes need one each on top.
+	// pool_max_conns in the URL wins, and the runner refuses one too small.
 	if !strings.Contains(cfg.DatabaseURL, "pool_max_conns") {
-		pcfg.MaxConns = max(pcfg.MaxConns, int32(cfg.KeyParallelism)+4)
+		pcfg.MaxConns = max(pcfg.MaxConns, int32(cfg.KeyParallelism)+4) + 3 + httpConns
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
@@ -440,8 +428,8 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		return err
 	}
 	defer func() {
-		// After the consumer and the relay stopped, so that the final
-		// export includes their last spans and counts.
+		// After the runner stopped, so that the final export includes the
+		// components' last spans and counts.
 		fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), telemetryFlushTimeout)
 		defer cancel()
 		if err := tel.shutdown(fctx); err != nil {
@@ -449,121 +437,52 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		}
 	}()
 
-	// The HTTP server starts first so that an orchestrator sees 503
-	// (alive, not ready) while migrations wait for their lock; the order
-	// routes answer 503 until then too.
-	api, err := newHTTPAPI(cfg, pool, log)
-	if err != nil {
-		return err
-	}
-	var h health
-	stopHTTP, err := serveHTTP(ctx, cfg.HTTPAddr, &h, tel.metrics, api, log)
-	if err != nil {
-		return err
-	}
-	defer stopHTTP()
-	// On SIGTERM the server stops taking requests at once, while the
-	// consumer drains: the requests in flight finish (within a second),
-	// so every order answered 202 is in the outbox before the relay's
-	// last flush.
-	defer context.AfterFunc(ctx, stopHTTP)()
-
 	st, err := newStore(cfg.Schema, cfg.EventsTopic)
 	if err != nil {
 		return err
 	}
-	if err := st.migrate(ctx, pool, log); err != nil {
-		if ctx.Err() != nil {
-			return nil // asked to stop while starting: nothing to drain
-		}
+	r, err := oncely.New(oncely.Config{
+		Pool: pool, Schema: cfg.Schema, Brokers: cfg.Brokers, KafkaOpts: cfg.KafkaOpts, Logger: log,
+		TracerProvider: tel.tracerProvider, MeterProvider: tel.meterProvider, MetricsHandler: tel.metrics,
+		// oncely's migrations (the inbox, the outbox, the idempotency
+		// keys), then the example's tables.
+		Migrate:     true,
+		BeforeStart: func(ctx context.Context) error { return st.createTables(ctx, pool) },
+		// Every instance runs a relay: relays share the outbox's shards
+		// through advisory locks, so per-customer event order holds with
+		// any number of them. Its topics are created on first use where
+		// the brokers allow it.
+		Relay:           &outbox.RelayConfig{ClientOpts: []kgo.Opt{kgo.AllowAutoTopicCreation()}},
+		ExtraConns:      httpConns,
+		ShutdownTimeout: shutdownTimeout,
+	})
+	if err != nil {
 		return err
 	}
-	h.migrated.Store(true)
-	// The idempotency middleware's cleanup deletes expired keys (after its
-	// 24 h TTL) in batches, every minute, until the worker stops.
-	cleanupCtx, stopCleanup := context.WithCancel(ctx)
-	cleanupDone := make(chan struct{})
-	go func() {
-		defer close(cleanupDone)
-		_ = api.keys.Run(cleanupCtx) // returns nil once cleanupCtx is done; failures are logged
-	}()
-	defer func() {
-		stopCleanup()
-		<-cleanupDone
-	}()
-
 	ccfg := consumer.Config{
-		Brokers:          cfg.Brokers,
-		Topics:           []string{cfg.Topic},
-		Group:            cfg.Group,
-		Pool:             pool,
-		ConflictKeys:     conflictKeys,
-		BatchSize:        cfg.BatchSize,
-		KeyParallelism:   cfg.KeyParallelism,
-		Schema:           cfg.Schema,
-		InstanceID:       cfg.InstanceID,
-		SessionTimeout:   cfg.SessionTimeout,
-		RebalanceTimeout: cfg.RebalanceTimeout,
-		ShutdownTimeout:  shutdownTimeout,
-		TracerProvider:   tel.tracerProvider,
-		MeterProvider:    tel.meterProvider,
-		Logger:           log,
-		ClientOpts:       cfg.KafkaOpts,
+		Topics: []string{cfg.Topic}, Group: cfg.Group, ConflictKeys: conflictKeys,
+		BatchSize: cfg.BatchSize, KeyParallelism: cfg.KeyParallelism, InstanceID: cfg.InstanceID,
+		SessionTimeout: cfg.SessionTimeout, RebalanceTimeout: cfg.RebalanceTimeout,
 	}
 	if cfg.BatchSize > 1 && !cfg.RecordHandler {
 		ccfg.BatchHandler = st.batchHandler()
 	} else {
 		ccfg.Handler = st.handler()
 	}
-	c, err := consumer.New(ccfg)
+	c, err := r.AddConsumer(ccfg)
 	if err != nil {
 		return err
 	}
-	// The relay publishes what the handler enqueued. Every instance runs
-	// one: relays share the outbox's shards through advisory locks, so
-	// per-order event order holds with any number of them.
-	relay, err := outbox.NewRelay(outbox.RelayConfig{
-		Outbox:  outbox.Config{Schema: cfg.Schema},
-		Pool:    pool,
-		Brokers: cfg.Brokers,
-		// Like the consumer's dead-letter topic: created on first use
-		// where the brokers allow it.
-		ClientOpts:     append([]kgo.Opt{kgo.AllowAutoTopicCreation()}, cfg.KafkaOpts...),
-		TracerProvider: tel.tracerProvider,
-		MeterProvider:  tel.meterProvider,
-		Logger:         log,
-	})
+	api, err := newHTTPAPI(cfg, r, log)
 	if err != nil {
 		return err
 	}
-	h.consumer.Store(c)
-	h.relay.Store(relay)
-
-	// The relay runs until the consumer has drained (its last transactions
-	// enqueue events too) and the outbox is empty, or relayFlushTimeout has
-	// passed. If it fails, the worker stops: a worker whose events go
-	// nowhere should not look healthy.
-	consumerCtx, stopConsumer := context.WithCancel(ctx)
-	defer stopConsumer()
-	relayCtx, stopRelay := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopRelay()
-	var relayErr error
-	relayDone := make(chan struct{})
-	go func() {
-		defer close(relayDone)
-		if relayErr = relay.Run(relayCtx); relayErr != nil {
-			stopConsumer()
-		}
-	}()
-
-	err = c.Run(consumerCtx)
-	stopHTTP() // done already on SIGTERM; waits for requests in flight
-	if ferr := st.flushEvents(pool, relayDone); ferr != nil {
-		log.Warn("orderworker: events left in the outbox; the next relay to run publishes them", "err", ferr)
+	if err := serveHTTP(ctx, r, cfg.HTTPAddr, api, log); err != nil {
+		return err
 	}
-	stopRelay()
-	<-relayDone // relayErr is set
-	s, rs := c.Stats(), relay.Stats()
+
+	err = r.Run(ctx)
+	s, rs := c.Stats(), r.Relay().Stats()
 	var ws webhook.Stats
 	if api.receiver != nil {
 		ws = api.receiver.Stats()
@@ -577,23 +496,34 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		"dead_lettered", s.DeadLettered, "retries", s.Retries, "offset_commits", s.OffsetCommits,
 		"events_published", rs.Published, "webhooks_stored", ws.Stored, "webhooks_duplicates", ws.Duplicates,
 		"webhooks_refused", ws.Refused)
-	return errors.Join(err, relayErr)
+	return err
 }
 
-// flushEvents waits up to relayFlushTimeout until the outbox holds no
-// pending event, or until relayDone is closed (the relay stopped).
-func (s *store) flushEvents(pool *pgxpool.Pool, relayDone <-chan struct{}) error {
-	return poll(context.Background(), relayFlushTimeout, 20*time.Millisecond, "the relay to publish the outbox",
-		func(ctx context.Context) (bool, error) {
-			select {
-			case <-relayDone:
-				return false, giveUp(errors.New("the relay stopped"))
-			default:
-			}
-			var pending bool
-			err := pool.QueryRow(ctx, s.pending).Scan(&pending)
-			return !pending, err
-		})
+// httpConns are the pool connections kept for the HTTP routes.
+const httpConns = 2
+
+// serveHTTP listens on addr (port 0 picks a free port; the chosen address
+// is logged) and hands the server to r, which serves it from the start and
+// stops it first on the way out. Routes: GET /healthz (readiness, as
+// /readyz), the runner's GET /livez, /readyz and /metrics, and the order
+// routes of api, which answer 503 until the runner started.
+func serveHTTP(ctx context.Context, r *oncely.Runner, addr string, api *httpAPI, log *slog.Logger) error {
+	ln, err := new(net.ListenConfig).Listen(ctx, "tcp", addr)
+	if err != nil {
+		return fmt.Errorf("orderworker: --http-addr: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /healthz", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		if err := r.Ready(); err != nil {
+			http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		_, _ = fmt.Fprintln(w, "ok")
+	}))
+	mux.Handle("/", r.Handler())
+	api.register(mux, r.Started)
+	log.Info("orderworker http listening", "addr", ln.Addr().String())
+	return r.AddServer(&http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, ln)
 }
 
 // startKfake starts an in-process Kafka (kfake speaks the real wire
@@ -610,63 +540,4 @@ func startKfake(topic, eventsTopic string) (*kfake.Cluster, error) {
 		return nil, fmt.Errorf("orderworker: start kfake: %w", err)
 	}
 	return c, nil
-}
-
-// health answers GET /healthz: 200 once the schema is migrated and the
-// consumer and the relay are ready (running, and the database answered
-// their last attempt), 503 otherwise.
-type health struct {
-	migrated atomic.Bool
-	consumer atomic.Pointer[consumer.Consumer]
-	relay    atomic.Pointer[outbox.Relay]
-}
-
-// ready: the relay asks the database every poll interval, so an
-// unreachable database shows within about a second even when no record
-// arrives.
-func (h *health) ready() bool {
-	c, r := h.consumer.Load(), h.relay.Load()
-	return h.migrated.Load() && c != nil && c.Ready() && r != nil && r.Ready()
-}
-
-func (h *health) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
-	if !h.ready() {
-		http.Error(w, "not ready", http.StatusServiceUnavailable)
-		return
-	}
-	_, _ = fmt.Fprintln(w, "ok")
-}
-
-// serveHTTP serves GET /healthz, GET /metrics and the order routes of api on
-// addr (port 0 picks a free port; the chosen address is logged) and returns
-// a function that shuts the server down, giving requests in flight up to a
-// second; it may be called more than once, and from several goroutines.
-func serveHTTP(ctx context.Context, addr string, h *health, metrics http.Handler, api *httpAPI, log *slog.Logger) (stop func(), err error) {
-	ln, err := new(net.ListenConfig).Listen(ctx, "tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("orderworker: --http-addr: %w", err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("GET /healthz", h)
-	mux.Handle("GET /metrics", metrics)
-	api.register(mux, h.migrated.Load)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-			log.Error("orderworker http server failed", "err", err)
-		}
-	}()
-	log.Info("orderworker http listening", "addr", ln.Addr().String())
-	return sync.OnceFunc(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		if err := srv.Shutdown(ctx); err != nil {
-			// Cancels the requests still running: those not committed yet
-			// roll back, and their clients' retries run afresh.
-			_ = srv.Close()
-		}
-		<-done
-	}), nil
 }
