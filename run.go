@@ -47,8 +47,11 @@ func (r *Runner) Run(ctx context.Context) error {
 	err := r.start(startCtx)
 	stopStart()
 	cancelStart()
-	if err != nil && !s.isStopping() {
+	switch {
+	case err != nil && ctx.Err() == nil && !s.isStopping():
 		s.stop("start", err)
+	case err != nil: // asked to stop while starting: nothing to report
+		s.stop("", nil)
 	}
 
 	var consumers sync.WaitGroup

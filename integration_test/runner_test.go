@@ -387,3 +387,41 @@ func TestRunnerMigrate(t *testing.T) {
 		t.Errorf("/metrics of the runner's own provider: %d, %.200q", resp.status, resp.body.String())
 	}
 }
+
+// TestRunnerStopWhileStarting: a shutdown asked for while Run waits in its
+// start-up (here in BeforeStart, as behind another instance's migration
+// lock) returns nil at once and starts no component; /readyz says why it is
+// not ready meanwhile.
+func TestRunnerStopWhileStarting(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.kafka.CreateTopicNamed(t, dlq.DefaultTopic(e.topic), 1)
+	waiting := make(chan struct{})
+	r, err := oncely.New(oncely.Config{Pool: e.runnerPool(t, e.db.URL), Schema: e.db.Schema, Brokers: e.kafka.Brokers,
+		BeforeStart: func(ctx context.Context) error {
+			close(waiting)
+			<-ctx.Done()
+			return ctx.Err()
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config("starting", recordEffect("starting"))
+	cfg.Brokers, cfg.Pool, cfg.Schema = nil, nil, ""
+	c, err := r.AddConsumer(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cancel, done := runRunner(t, r)
+	<-waiting
+	if code, body := readyz(t, r.Handler(), false); code != http.StatusServiceUnavailable || !strings.Contains(body, "runner: starting: BeforeStart") {
+		t.Errorf("/readyz in BeforeStart: %d %q; want 503 naming the start-up step", code, body)
+	}
+	cancel()
+	if err := waitRun(t, done, 10*time.Second); err != nil {
+		t.Errorf("Run stopped while starting: %v; want nil", err)
+	}
+	if r.Started() || c.Ready() {
+		t.Errorf("Started %v, consumer ready %v after a stop during start-up; want neither", r.Started(), c.Ready())
+	}
+}

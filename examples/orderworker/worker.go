@@ -515,7 +515,7 @@ func serveHTTP(ctx context.Context, r *oncely.Runner, addr string, api *httpAPI,
 	mux := http.NewServeMux()
 	mux.Handle("GET /healthz", http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		if err := r.Ready(); err != nil {
-			http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 			return
 		}
 		_, _ = fmt.Fprintln(w, "ok")
