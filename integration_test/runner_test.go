@@ -425,3 +425,65 @@ func TestRunnerStopWhileStarting(t *testing.T) {
 		t.Errorf("Started %v, consumer ready %v after a stop during start-up; want neither", r.Started(), c.Ready())
 	}
 }
+
+// TestRunnerShutdownDeadline: a handler and an HTTP request that never
+// finish by themselves do not hold Run past its ShutdownTimeout (plus the
+// consumer's documented overrun of about a second): the record's
+// transaction is abandoned (rolled back, redelivered later) and the request
+// cancelled.
+func TestRunnerShutdownDeadline(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	e.kafka.CreateTopicNamed(t, dlq.DefaultTopic(e.topic), 1)
+	const timeout = 4 * time.Second
+	r, err := oncely.New(oncely.Config{Pool: e.runnerPool(t, e.db.URL), Schema: e.db.Schema, Brokers: e.kafka.Brokers,
+		Relay: &outbox.RelayConfig{}, ShutdownTimeout: timeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inHandler := make(chan struct{})
+	cfg := e.config("deadline", func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		close(inHandler)
+		<-ctx.Done() // until the consumer abandons the transaction
+		return ctx.Err()
+	})
+	cfg.Brokers, cfg.Pool, cfg.Schema, cfg.MaxAttempts = nil, nil, "", 1000
+	if _, err := r.AddConsumer(cfg); err != nil {
+		t.Fatal(err)
+	}
+	inRequest, stuck := make(chan struct{}), newGate()
+	t.Cleanup(stuck.open)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(http.ResponseWriter, *http.Request) {
+		close(inRequest)
+		stuck.wait() // ignores its context: only the test ends it
+	})}
+	if err := r.AddServer(srv, ln); err != nil {
+		t.Fatal(err)
+	}
+	cancel, done := runRunner(t, r)
+	eventually(t, 30*time.Second, "the runner ready", func() bool { return r.Ready() == nil })
+	go func() {
+		if resp, err := http.Get("http://" + ln.Addr().String() + "/"); err == nil {
+			_ = resp.Body.Close()
+		}
+	}()
+	<-inRequest
+	e.produce(t, []msg{{id: "never-done"}})
+	<-inHandler
+
+	start := time.Now()
+	cancel()
+	if err := waitRun(t, done, 30*time.Second); err != nil {
+		t.Errorf("Run: %v", err)
+	}
+	if took := time.Since(start); took > timeout+2*time.Second {
+		t.Errorf("Run took %s to shut down; want within ShutdownTimeout %s and the consumer's second of overrun", took, timeout)
+	}
+	if n := e.count(t, `SELECT count(*) FROM inbox`); n != 0 {
+		t.Errorf("%d inbox rows; the abandoned record must have rolled back", n)
+	}
+}
