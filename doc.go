@@ -1,6 +1,7 @@
 // Package oncely runs a service's oncely components as one: the consumers,
-// the outbox relay, the inbox and idempotency-key cleanups, and the HTTP
-// servers that feed the outbox, configured once and shut down in order.
+// the outbox relay, the inbox and idempotency-key cleanups, outbound webhook
+// dispatchers, and the HTTP servers that feed the outbox, configured once and
+// shut down in order.
 //
 //	r, err := oncely.New(oncely.Config{
 //		Pool:    pool,

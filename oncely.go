@@ -25,6 +25,7 @@ import (
 	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/outbox"
 	"github.com/oncely/oncely/webhook"
+	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // Config configures a Runner. Zero values take the documented defaults.
@@ -111,12 +112,13 @@ type Runner struct {
 	cfg     Config
 	reserve int // pool connections kept for the relay, the cleanups and ExtraConns
 
-	outbox    *outbox.Outbox
-	relay     *outbox.Relay
-	cleaner   *dedup.Cleaner
-	consumers []*consumerEntry
-	loops     []loop // cleanups and services: stopped first, no order among them
-	servers   []*server
+	outbox        *outbox.Outbox
+	outboundStore *outbound.Store
+	relay         *outbox.Relay
+	cleaner       *dedup.Cleaner
+	consumers     []*consumerEntry
+	loops         []loop // cleanups and services: stopped first, no order among them
+	servers       []*server
 
 	ownMeter *sdkmetric.MeterProvider // built by New; shut down by Run
 	metrics  http.Handler
@@ -182,6 +184,9 @@ func New(cfg Config) (*Runner, error) {
 	r.phase.Store(&phaseNew)
 	var err error
 	if r.outbox, err = outbox.New(outbox.Config{Schema: cfg.Schema}); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	if r.outboundStore, err = outbound.NewStore(outbound.Config{Schema: cfg.Schema}); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	if cfg.MeterProvider == nil {
@@ -398,6 +403,37 @@ func (r *Runner) Webhook(cfg webhook.Config) (*webhook.Receiver, error) {
 	}
 	return rc, nil
 }
+
+// AddDispatcher creates an outbound webhook dispatcher that Run runs next
+// to the cleanups (it stops when the shutdown begins, after its own
+// DrainTimeout). Its Store.Schema, Pool, Logger and providers default to
+// the runner's. Enqueue deliveries with OutboundStore.
+func (r *Runner) AddDispatcher(cfg outbound.DispatcherConfig) (*outbound.Dispatcher, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.addable("AddDispatcher"); err != nil {
+		return nil, err
+	}
+	if err := r.sameSchema("outbound.DispatcherConfig.Store.Schema", &cfg.Store.Schema); err != nil {
+		return nil, err
+	}
+	if err := r.samePool("outbound.DispatcherConfig.Pool", &cfg.Pool); err != nil {
+		return nil, err
+	}
+	cfg.Logger = cmp.Or(cfg.Logger, r.cfg.Logger)
+	cfg.TracerProvider = cmp.Or(cfg.TracerProvider, r.cfg.TracerProvider)
+	cfg.MeterProvider = cmp.Or(cfg.MeterProvider, r.cfg.MeterProvider)
+	d, err := outbound.NewDispatcher(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	r.loops = append(r.loops, loop{"outbound webhook dispatcher", d.Run})
+	return d, nil
+}
+
+// OutboundStore returns the outbound webhook store in the runner's schema,
+// for enqueuing deliveries in a caller's transaction.
+func (r *Runner) OutboundStore() *outbound.Store { return r.outboundStore }
 
 // Go adds a function Run runs next to the components, such as an outbound
 // webhook dispatcher: it starts with them, its context ends when the

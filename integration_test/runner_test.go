@@ -6,6 +6,8 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
@@ -21,6 +23,7 @@ import (
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/outbox"
+	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // runnerPool is a pool on the env's schema large enough for a runner with a
@@ -485,5 +488,56 @@ func TestRunnerShutdownDeadline(t *testing.T) {
 	}
 	if n := e.count(t, `SELECT count(*) FROM inbox`); n != 0 {
 		t.Errorf("%d inbox rows; the abandoned record must have rolled back", n)
+	}
+}
+
+// TestRunnerDispatcher: an outbound webhook dispatcher added to a runner
+// works in the runner's schema (set once), delivers what OutboundStore
+// enqueued, and stops with the runner; a dispatcher naming another schema
+// is refused.
+func TestRunnerDispatcher(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	r, err := oncely.New(oncely.Config{Pool: db.Pool, Schema: db.Schema, Migrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.AddDispatcher(outbound.DispatcherConfig{Store: outbound.Config{Schema: "elsewhere"}}); !errors.Is(err, oncely.ErrInvalidConfig) ||
+		!strings.Contains(err.Error(), "outbound.DispatcherConfig.Store.Schema") {
+		t.Errorf("AddDispatcher in another schema: %v; want ErrInvalidConfig naming the field", err)
+	}
+	got := make(chan string, 10)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		got <- req.Header.Get("webhook-id")
+	}))
+	defer srv.Close()
+	if _, err := r.AddDispatcher(outbound.DispatcherConfig{AllowNetworks: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")},
+		PollInterval: 50 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	cancel, done := runRunner(t, r)
+	eventually(t, 30*time.Second, "the runner started", r.Started)
+	ctx := context.Background()
+	if _, err := r.OutboundStore().CreateSubscription(ctx, db.Pool, outbound.Subscription{URL: srv.URL, EventTypes: []string{"order.*"}}); err != nil {
+		t.Fatal(err)
+	}
+	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		_, err := r.OutboundStore().Enqueue(ctx, tx, outbound.Event{ID: "order-1-paid", Type: "order.paid", Payload: []byte(`{}`)})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case id := <-got:
+		if id == "" {
+			t.Error("delivery without a webhook-id")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no delivery within 30s")
+	}
+	cancel()
+	if err := waitRun(t, done, 20*time.Second); err != nil {
+		t.Errorf("Run: %v", err)
 	}
 }
