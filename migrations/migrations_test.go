@@ -736,7 +736,9 @@ func TestPendingReadsOnly(t *testing.T) {
 	if exists {
 		t.Errorf("Pending created schema %q", schema)
 	}
-	t.Cleanup(func() { _, _ = db.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+sqlident.Quote(schema)+" CASCADE") })
+	t.Cleanup(func() {
+		_, _ = db.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+sqlident.Quote(schema)+" CASCADE")
+	})
 
 	if _, err := m.Up(ctx); err != nil {
 		t.Fatal(err)
