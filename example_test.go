@@ -1,0 +1,74 @@
+package oncely_test
+
+import (
+	"context"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/oncely/oncely"
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/idempotency"
+	"github.com/oncely/oncely/outbox"
+)
+
+// A service with a consumer, an outbox relay and an HTTP API behind
+// Idempotency-Key, configured once and run until SIGINT.
+func Example() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+
+	r, err := oncely.New(oncely.Config{
+		Pool:       pool,
+		Schema:     "payments", // once, for every component
+		Brokers:    []string{"localhost:9092"},
+		Migrate:    true,
+		Relay:      &outbox.RelayConfig{},
+		ExtraConns: 2, // the HTTP handlers'
+	})
+	if err != nil {
+		log.Fatal(err) // names the field
+	}
+	_, err = r.AddConsumer(consumer.Config{
+		Group:  "payments",
+		Topics: []string{"payments"},
+		Handler: func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+			_, err := r.Outbox().Enqueue(ctx, tx, outbox.Message{Topic: "payment-events", Key: msg.Key, Value: msg.Value})
+			return err
+		},
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	keys, err := r.Idempotency(idempotency.Config{}) // its cleanup runs with the runner
+	if err != nil {
+		log.Fatal(err)
+	}
+
+	mux := http.NewServeMux()
+	mux.Handle("/", r.Handler()) // GET /livez, /readyz, /metrics
+	mux.Handle("POST /payments", keys.Require(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		w.WriteHeader(http.StatusAccepted) // write through idempotency.Tx(req.Context())
+	})))
+	ln, err := net.Listen("tcp", ":8080")
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := r.AddServer(&http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, ln); err != nil {
+		log.Fatal(err)
+	}
+	if err := r.Run(ctx); err != nil { // until SIGINT, then HTTP, consumers and relay stop in order
+		log.Fatal(err)
+	}
+}
