@@ -625,6 +625,16 @@ func TestHealthz(t *testing.T) {
 	if code := healthz(t, addr); code != http.StatusServiceUnavailable {
 		t.Fatalf("GET /healthz before migrations = %d; want 503", code)
 	}
+	// /readyz says why; /livez: the process is alive.
+	for path, want := range map[string]struct {
+		code int
+		body string
+	}{"/readyz": {http.StatusServiceUnavailable, "runner: starting: BeforeStart"}, "/livez": {http.StatusOK, "ok"}} {
+		r, err := send(ctx, http.MethodGet, "http://"+addr+path, nil, nil)
+		if err != nil || r.status != want.code || !strings.Contains(string(r.body), want.body) {
+			t.Errorf("GET %s before migrations: %d %q, %v; want %d with %q", path, r.status, r.body, err, want.code, want.body)
+		}
+	}
 	// The order routes, whose tables may not exist yet, answer 503 too.
 	for _, path := range []string{ordersPath, webhookPath} {
 		r, err := send(ctx, http.MethodPost, "http://"+addr+path, keyed("before-migrations"), []byte(`{}`))
