@@ -185,12 +185,29 @@ func (r *Runner) start(ctx context.Context) error {
 		return fmt.Errorf("%w: schema %q lacks %s: set Config.Migrate, or apply them (package migrations, `oncely migrate up --schema %s`)",
 			ErrNotMigrated, r.cfg.Schema, strings.Join(names, ", "), r.cfg.Schema)
 	}
-	if missing, err := r.checkTopics(ctx, nil); err != nil {
-		return err
-	} else if len(missing) > 0 {
-		return fmt.Errorf("%w: %s", ErrMissingTopic, reasonList(missing))
+	// A missing topic is a configuration error; brokers that do not answer
+	// are waited for, as the components would.
+	for {
+		missing, err := r.checkTopics(ctx, nil)
+		switch {
+		case len(missing) > 0:
+			return fmt.Errorf("%w: %s", ErrMissingTopic, reasonList(missing))
+		case err == nil:
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err()
+		}
+		r.cfg.Logger.Warn("oncely: cannot check the topics yet; retrying", "err", err)
+		waiting := "starting: waiting for the brokers to list the topics: " + err.Error()
+		r.setPhase(&waiting)
+		t := time.NewTimer(r.cfg.HealthInterval)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
 	}
-	return nil
 }
 
 // ErrNotMigrated is wrapped by Run's error when the schema lacks a migration.

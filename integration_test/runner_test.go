@@ -541,3 +541,39 @@ func TestRunnerDispatcher(t *testing.T) {
 		t.Errorf("Run: %v", err)
 	}
 }
+
+// TestRunnerWaitsForBrokers: brokers that do not answer at start are not a
+// configuration error: Run waits for them, /readyz says so, and a shutdown
+// meanwhile returns nil.
+func TestRunnerWaitsForBrokers(t *testing.T) {
+	t.Parallel()
+	db := testenv.Postgres(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	_ = ln.Close() // nothing listens there now
+	r, err := oncely.New(oncely.Config{Pool: db.Pool, Schema: db.Schema, Brokers: []string{dead}, Migrate: true,
+		KafkaOpts: []kgo.Opt{kgo.RetryTimeout(200 * time.Millisecond)}, HealthInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.AddConsumer(consumer.Config{Topics: []string{"orders"}, Group: "g", Handler: recordEffect("w")}); err != nil {
+		t.Fatal(err)
+	}
+	cancel, done := runRunner(t, r)
+	eventually(t, 30*time.Second, "/readyz naming the brokers", func() bool {
+		code, body := readyz(t, r.Handler(), false)
+		return code == http.StatusServiceUnavailable && strings.Contains(body, "waiting for the brokers")
+	})
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned %v while the brokers were unreachable; want it to wait", err)
+	default:
+	}
+	cancel()
+	if err := waitRun(t, done, 20*time.Second); err != nil {
+		t.Errorf("Run stopped while waiting for the brokers: %v; want nil", err)
+	}
+}
