@@ -68,12 +68,14 @@ func (r *Runner) Ready() error {
 	r.health.mu.Unlock()
 	if r.started.Load() {
 		for _, e := range r.consumers {
-			if !e.c.Ready() {
-				rs = append(rs, Reason{fmt.Sprintf("consumer group %q", e.group), "not consuming, or a partition waits for the database"})
+			if why := e.c.NotReady(); why != "" {
+				rs = append(rs, Reason{fmt.Sprintf("consumer group %q", e.group), why})
 			}
 		}
-		if r.relay != nil && !r.relay.Ready() {
-			rs = append(rs, Reason{"outbox relay", "not publishing, or the database did not answer its last query"})
+		if r.relay != nil {
+			if why := r.relay.NotReady(); why != "" {
+				rs = append(rs, Reason{"outbox relay", why})
+			}
 		}
 	}
 	if len(rs) == 0 {

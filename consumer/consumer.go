@@ -120,6 +120,20 @@ func (c *Consumer) Stats() Stats {
 // it for readiness probes.
 func (c *Consumer) Ready() bool { return c.polling.Load() && c.dbDown.Load() == 0 }
 
+// NotReady says why Ready is false, for a readiness probe's answer; "" when
+// it is true.
+func (c *Consumer) NotReady() string {
+	switch n := c.dbDown.Load(); {
+	case !c.polling.Load():
+		return "not consuming (starting, stopped or failed)"
+	case n == 1:
+		return "1 partition waits for the database"
+	case n > 1:
+		return fmt.Sprintf("%d partitions wait for the database", n)
+	}
+	return ""
+}
+
 type tp struct {
 	topic     string
 	partition int32

@@ -234,9 +234,20 @@ func TestRunnerReadyz(t *testing.T) {
 		code, body = readyz(t, h, false)
 		return code == http.StatusServiceUnavailable && strings.Contains(body, "database: unreachable")
 	})
+	// A record arriving meanwhile waits for the database: its consumer
+	// says so, as the relay does.
+	e.produce(t, []msg{{id: "during-the-outage"}})
+	eventually(t, 30*time.Second, "/readyz naming the consumer and the relay", func() bool {
+		_, body = readyz(t, h, false)
+		return strings.Contains(body, `consumer group "`+e.group+`": 1 partition waits for the database`) &&
+			strings.Contains(body, "outbox relay: the database did not answer its last query")
+	})
 	t.Logf("/readyz with the database cut off:\n%s", body)
 	proxy.Restore()
 	eventually(t, 60*time.Second, "/readyz 200 with the database back", func() bool { code, _ := readyz(t, h, false); return code == http.StatusOK })
+	eventually(t, 30*time.Second, "the record of the outage processed", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id = 'during-the-outage'`) == 1
+	})
 
 	adm := kadm.NewClient(e.kafka.Client(t))
 	if _, err := adm.DeleteTopics(context.Background(), dlqTopic); err != nil {

@@ -190,6 +190,18 @@ func (r *Relay) Stats() RelayStats {
 // publishes nothing, and its rows wait in the outbox.
 func (r *Relay) Ready() bool { return r.running.Load() && !r.dbDown.Load() }
 
+// NotReady says why Ready is false, for a readiness probe's answer; "" when
+// it is true.
+func (r *Relay) NotReady() string {
+	switch {
+	case !r.running.Load():
+		return "not publishing (starting, stopped or failed)"
+	case r.dbDown.Load():
+		return "the database did not answer its last query"
+	}
+	return ""
+}
+
 // Run publishes until ctx is done, then returns nil after the batch in
 // flight (bounded by ProduceTimeout). It may be called once.
 func (r *Relay) Run(ctx context.Context) error {
