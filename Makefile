@@ -7,15 +7,21 @@ GO ?= go
 TEST_FLAGS ?= -race -count=1 -timeout 20m
 FUZZTIME ?= 30s
 
-.PHONY: demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
+# Every module's packages but the benchmark's. The root module is what users
+# import; the nested modules (go.work lists them) hold what needs kfake or
+# testcontainers: the integration tests, the example, and their test
+# environment.
+PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/...
+
+.PHONY: check-user-deps demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
 	$(GO) run ./examples/orderworker demo
 
-## test: every test, with the race detector, against DATABASE_URL and kfake
+## test: every test of every module (PKGS), with the race detector, against DATABASE_URL and kfake
 test:
-	$(GO) test $(TEST_FLAGS) ./...
+	$(GO) test $(TEST_FLAGS) $(PKGS)
 
 ## test-modes: the integration suite again in batch mode and in per-key mode
 ## (make test runs it in record mode), so every exactly-once test covers every mode
@@ -83,17 +89,25 @@ bench-chaos:
 
 ## bench-outbox: the outbox relay against a raw-SQL ceiling, in one run, with the ratio
 bench-outbox:
-	$(GO) test -run '^$$' -bench BenchmarkOutbox -benchtime 20000x -count 1 ./outbox/ | tee /tmp/oncely-bench.txt
+	$(GO) test -run '^$$' -bench BenchmarkOutbox -benchtime 20000x -count 1 ./integration_test/ | tee /tmp/oncely-bench.txt
 	@awk '/raw-sql/ {raw=$$5} /relay/ {relay=$$5} END {if (raw > 0) printf "relay / raw-SQL ceiling = %.2f\n", relay/raw}' /tmp/oncely-bench.txt
 
 ## lint: formatting, vet and golangci-lint (fetched through the module proxy)
 lint: fmt-check vet
-	$(GO) run github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0 run ./...
+	$(GO) run github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0 run $(PKGS)
 
-## vet: the library, and the benchmark's own module
+## vet: every module, the benchmark's included; the root module also on its
+## own (GOWORK=off), with the versions its go.mod gives users
 vet:
-	$(GO) vet ./...
+	$(GO) vet $(PKGS)
+	GOWORK=off $(GO) vet ./...
 	cd bench && $(GO) vet ./...
+
+## check-user-deps: a fresh module importing every library package pulls no
+## testcontainers, docker, moby or kfake; prints its module and go.sum line
+## counts (scripts/check-user-deps.sh)
+check-user-deps:
+	GO=$(GO) scripts/check-user-deps.sh
 
 fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/oncely/oncely/consumer"
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 )
 
 // invalidFields is the test's own reading of Config's documented rules: the
@@ -31,7 +31,7 @@ func invalidFields(cfg consumer.Config) map[string]bool {
 	bad["Group"] = cfg.Group == ""
 	bad["Pool"] = cfg.Pool == nil
 	bad["Handler"] = cfg.Handler == nil
-	bad["Schema"] = cfg.Schema != "" && !testenv.SchemaNameValid(cfg.Schema)
+	bad["Schema"] = cfg.Schema != "" && !pgtest.SchemaNameValid(cfg.Schema)
 	for name, d := range map[string]time.Duration{
 		"SessionTimeout": cfg.SessionTimeout, "RebalanceTimeout": cfg.RebalanceTimeout,
 		"RetryBaseDelay": cfg.RetryBaseDelay, "RetryMaxDelay": cfg.RetryMaxDelay,
@@ -64,7 +64,7 @@ var errorFieldRE = regexp.MustCompile(`^consumer: invalid config: ([A-Za-z]+):`)
 // is valid, and a refusal wraps ErrInvalidConfig and names a field that is
 // invalid. Schema names with quotes, semicolons or spaces are always refused.
 func FuzzConfig(f *testing.F) {
-	pool := testenv.UnreachablePool(f)
+	pool := pgtest.UnreachablePool(f)
 	handler := func(context.Context, pgx.Tx, *consumer.Message) error { return nil }
 
 	f.Add("127.0.0.1:9092", "orders", "g", "", ".dlq", int64(0), int64(0), int64(0), 0, 0, 0, true, uint32(0))
@@ -77,14 +77,14 @@ func FuzzConfig(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, brokers, topics, group, schema, dlqSuffix string,
 		timeout, base, dlTimeout int64, attempts, recordBytes, buffered int, withPool bool, negate uint32) {
-		d := func(i int, v int64) time.Duration { return time.Duration(testenv.Signed(negate, i, v)) }
+		d := func(i int, v int64) time.Duration { return time.Duration(pgtest.Signed(negate, i, v)) }
 		cfg := consumer.Config{
 			Group: group, Schema: schema, Handler: handler,
 			SessionTimeout: d(0, timeout), RebalanceTimeout: d(1, timeout*3),
 			RevokeTimeout: d(2, timeout/2), ShutdownTimeout: d(3, timeout+1), CommitInterval: d(4, base*10),
 			RetryBaseDelay: d(5, base), RetryMaxDelay: d(6, timeout), DeadLetterTimeout: d(7, dlTimeout),
-			MaxAttempts: testenv.Signed(negate, 8, attempts), MaxRecordBytes: testenv.Signed(negate, 9, recordBytes),
-			MaxBufferedRecords: testenv.Signed(negate, 10, buffered), MaxPollRecords: testenv.Signed(negate, 11, buffered/2),
+			MaxAttempts: pgtest.Signed(negate, 8, attempts), MaxRecordBytes: pgtest.Signed(negate, 9, recordBytes),
+			MaxBufferedRecords: pgtest.Signed(negate, 10, buffered), MaxPollRecords: pgtest.Signed(negate, 11, buffered/2),
 			DeadLetterTopic: func(t string) string { return t + dlqSuffix },
 		}
 		if brokers != "" {
@@ -106,6 +106,6 @@ func FuzzConfig(f *testing.F) {
 		if err != nil && !errors.Is(err, consumer.ErrInvalidConfig) {
 			t.Fatalf("error %q does not wrap ErrInvalidConfig", err)
 		}
-		testenv.CheckConfigError(t, err, invalidFields(cfg), testenv.FieldMatch(errorFieldRE))
+		pgtest.CheckConfigError(t, err, invalidFields(cfg), pgtest.FieldMatch(errorFieldRE))
 	})
 }

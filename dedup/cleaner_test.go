@@ -10,13 +10,13 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/internal/sqlident"
-	"github.com/oncely/oncely/internal/testenv"
 )
 
 // seed inserts n rows for group whose processed_at is age before database
 // now (age 0: fresh). Ages are set with an UPDATE in database time.
-func seed(t *testing.T, ctx context.Context, db *testenv.DB, group, prefix string, n int, age string) {
+func seed(t *testing.T, ctx context.Context, db *pgtest.DB, group, prefix string, n int, age string) {
 	t.Helper()
 	table := sqlident.Table(db.Schema, "inbox")
 	_, err := db.Pool.Exec(ctx, `INSERT INTO `+table+` (consumer_group, message_id)
@@ -31,7 +31,7 @@ func seed(t *testing.T, ctx context.Context, db *testenv.DB, group, prefix strin
 	}
 }
 
-func newCleaner(t *testing.T, db *testenv.DB, cfg dedup.CleanerConfig) *dedup.Cleaner {
+func newCleaner(t *testing.T, db *pgtest.DB, cfg dedup.CleanerConfig) *dedup.Cleaner {
 	t.Helper()
 	cfg.Schema = db.Schema
 	c, err := dedup.NewCleaner(db.Pool, cfg)
@@ -43,7 +43,7 @@ func newCleaner(t *testing.T, db *testenv.DB, cfg dedup.CleanerConfig) *dedup.Cl
 
 func TestNewCleanerValidates(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	for _, tc := range []struct {
 		cfg   dedup.CleanerConfig
 		field string
@@ -194,7 +194,7 @@ func TestCleanerRun(t *testing.T) {
 	go func() { done <- c.Run(runCtx) }()
 
 	expiredGone := func() bool { return inboxCount(t, ctx, db, "message_id LIKE 'old-%'") == 0 }
-	testenv.WaitFor(t, ctx, "the first pass to delete the expired rows", expiredGone)
+	pgtest.WaitFor(t, ctx, "the first pass to delete the expired rows", expiredGone)
 
 	// Rows that expire while Run is running are deleted by a later pass.
 	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
@@ -208,7 +208,7 @@ func TestCleanerRun(t *testing.T) {
 		` SET processed_at = now() - interval '90 minutes' WHERE message_id = 'old-late'`); err != nil {
 		t.Fatal(err)
 	}
-	testenv.WaitFor(t, ctx, "a later pass to delete a newly expired row", expiredGone)
+	pgtest.WaitFor(t, ctx, "a later pass to delete a newly expired row", expiredGone)
 
 	stop()
 	select {
@@ -237,7 +237,7 @@ func TestCleanerRunStopsDuringInterval(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- c.Run(runCtx) }()
 	// The first pass runs at once, not after an interval.
-	testenv.WaitFor(t, ctx, "the first pass", func() bool { return inboxCount(t, ctx, db, "") == 0 })
+	pgtest.WaitFor(t, ctx, "the first pass", func() bool { return inboxCount(t, ctx, db, "") == 0 })
 	stop()
 	select {
 	case err := <-done:

@@ -16,19 +16,19 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/oncely/oncely/dedup"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/internal/sqlident"
-	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/migrations"
 )
 
-func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
 // setup gives the test its own schema with oncely's tables and an Inbox on it.
-func setup(t *testing.T) (*testenv.DB, *dedup.Inbox, context.Context) {
+func setup(t *testing.T) (*pgtest.DB, *dedup.Inbox, context.Context) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	t.Cleanup(cancel)
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	m, err := migrations.New(db.Pool, migrations.Config{Schema: db.Schema})
 	if err != nil {
 		t.Fatal(err)
@@ -58,7 +58,7 @@ func claimTx(t *testing.T, ctx context.Context, pool *pgxpool.Pool, in *dedup.In
 	return claimed
 }
 
-func inboxCount(t *testing.T, ctx context.Context, db *testenv.DB, where string, args ...any) int {
+func inboxCount(t *testing.T, ctx context.Context, db *pgtest.DB, where string, args ...any) int {
 	t.Helper()
 	q := "SELECT count(*) FROM " + sqlident.Table(db.Schema, "inbox")
 	if where != "" {
@@ -413,7 +413,7 @@ func (w *wire) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryDa
 func (w *wire) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
 // tracedPool is a pool on db's schema whose round trips w records.
-func tracedPool(t *testing.T, ctx context.Context, db *testenv.DB, w *wire) *pgxpool.Pool {
+func tracedPool(t *testing.T, ctx context.Context, db *pgtest.DB, w *wire) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(db.URL)
 	if err != nil {
@@ -548,7 +548,7 @@ var claimWays = map[string]func(ctx context.Context, pool *pgxpool.Pool, in *ded
 func testClaimExactlyOnceRace(t *testing.T, claim func(context.Context, *pgxpool.Pool, *dedup.Inbox, dedup.Entry, string) (bool, error)) {
 	db, in, ctx := setup(t)
 	const deliveries, rounds = 25, 4
-	pool, err := testenv.NewPool(ctx, db.URL, db.Schema, deliveries)
+	pool, err := pgtest.NewPool(ctx, db.URL, db.Schema, deliveries)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -654,7 +654,7 @@ func TestClaimWaitsForOpenClaim(t *testing.T) {
 				second <- result{ok, err}
 			}()
 
-			testenv.WaitFor(t, ctx, "tx2's claim to wait on a lock", func() bool {
+			pgtest.WaitFor(t, ctx, "tx2's claim to wait on a lock", func() bool {
 				var waiting bool
 				err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
 					WHERE pid = $1 AND wait_event_type = 'Lock')`, pid2).Scan(&waiting)

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 )
 
 // FuzzFingerprint: a fingerprint is 32 bytes and depends on exactly the
@@ -52,7 +52,7 @@ func configInvalidFields(cfg Config) map[string]bool {
 		header = DefaultHeader
 	}
 	bad := map[string]bool{
-		"Schema":           cfg.Schema != "" && !testenv.SchemaNameValid(cfg.Schema),
+		"Schema":           cfg.Schema != "" && !pgtest.SchemaNameValid(cfg.Schema),
 		"Header":           !tokenRE.MatchString(header),
 		"MaxKeyLength":     cfg.MaxKeyLength < 0 || cfg.MaxKeyLength > MaxKeyLengthLimit,
 		"Methods":          cfg.Methods != nil && len(cfg.Methods) == 0,
@@ -94,7 +94,7 @@ func list(s string) []string {
 // is valid, and a refusal names a field that is invalid. Schema names with
 // quotes, semicolons or spaces are always refused.
 func FuzzConfig(f *testing.F) {
-	pool := testenv.UnreachablePool(f)
+	pool := pgtest.UnreachablePool(f)
 	f.Add("", "", 0, "", int64(0), "", int64(0), int64(0), 0)
 	f.Add("oncely", "Idempotency-Key", 255, "POST,PATCH", int64(1<<20), "Content-Type,Location", int64(time.Hour), int64(time.Second), 10)
 	f.Add(`x"; drop table y`, "Bad Header", -1, "-", int64(-1), "content-length", int64(time.Millisecond), int64(-1), -1)
@@ -108,6 +108,6 @@ func FuzzConfig(f *testing.F) {
 		if err == nil && (m == nil || strings.ContainsAny(schema, "\"'; \\")) {
 			t.Fatalf("New accepted the schema name %q, or returned nothing", schema)
 		}
-		testenv.CheckConfigError(t, err, configInvalidFields(cfg), testenv.FieldMatch(configErrorFieldRE))
+		pgtest.CheckConfigError(t, err, configInvalidFields(cfg), pgtest.FieldMatch(configErrorFieldRE))
 	})
 }

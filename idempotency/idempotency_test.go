@@ -21,18 +21,18 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/oncely/oncely/idempotency"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/internal/sqlident"
-	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/migrations"
 )
 
-func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
 // env is one test's schema, middleware and server.
 type env struct {
 	t       *testing.T
 	ctx     context.Context
-	db      *testenv.DB
+	db      *pgtest.DB
 	mw      *idempotency.Middleware
 	srv     *httptest.Server
 	keys    string // quoted idempotency_keys table
@@ -61,11 +61,11 @@ func setupOrders(t *testing.T, cfg idempotency.Config) *env {
 
 // setupVia is setup with the middleware reaching Postgres through proxy
 // (nil: directly); the test's own queries go directly.
-func setupVia(t *testing.T, proxy *testenv.PostgresProxy, cfg idempotency.Config, routes map[string]http.Handler, arm ...func(*idempotency.Middleware)) *env {
+func setupVia(t *testing.T, proxy *pgtest.PostgresProxy, cfg idempotency.Config, routes map[string]http.Handler, arm ...func(*idempotency.Middleware)) *env {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	t.Cleanup(cancel)
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	mig, err := migrations.New(db.Pool, migrations.Config{Schema: db.Schema})
 	if err != nil {
 		t.Fatal(err)
@@ -822,7 +822,7 @@ func blockFirstOrder(e **env, calls *atomic.Int32, entered, release chan struct{
 func TestDatabaseGoneMidRequest(t *testing.T) {
 	t.Parallel()
 	entered, release := make(chan struct{}), make(chan struct{})
-	proxy := testenv.NewPostgresProxy(t)
+	proxy := pgtest.NewPostgresProxy(t)
 	var e *env
 	e = setupVia(t, proxy, idempotency.Config{}, map[string]http.Handler{"/req/orders": blockFirstOrder(&e, new(atomic.Int32), entered, release)})
 	key := uuid.NewString()
@@ -1063,7 +1063,7 @@ func TestRunCleansUp(t *testing.T) {
 
 func TestNewValidates(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	for _, tc := range []struct {
 		cfg   idempotency.Config
 		field string
@@ -1133,7 +1133,7 @@ func TestLockTimeoutIs409(t *testing.T) {
 	if strings.Contains(e.db.URL, "?") {
 		url = e.db.URL + "&lock_timeout=100ms"
 	}
-	pool, err := testenv.NewPool(e.ctx, url, e.db.Schema, 2)
+	pool, err := pgtest.NewPool(e.ctx, url, e.db.Schema, 2)
 	if err != nil {
 		t.Fatal(err)
 	}

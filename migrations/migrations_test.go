@@ -18,12 +18,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/internal/sqlident"
-	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/migrations"
 )
 
-func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
 // testCtx returns a context that ends before the test's deadline, so a hung
 // database call fails the test instead of the whole binary.
@@ -153,10 +153,10 @@ func checkInboxShape(t *testing.T, ctx context.Context, pool *pgxpool.Pool, sche
 
 // freshSchema returns a schema name that does not exist yet and drops it (if
 // a test created it) when the test ends.
-func freshSchema(t *testing.T, db *testenv.DB) string {
+func freshSchema(t *testing.T, db *pgtest.DB) string {
 	t.Helper()
 	schema := db.Schema + "_m"
-	// Registered after testenv.Postgres, so it runs before the pool is closed.
+	// Registered after pgtest.Postgres, so it runs before the pool is closed.
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
@@ -204,7 +204,7 @@ func TestAllEmbedded(t *testing.T) {
 
 func TestUpAppliesAllAndRecordsVersions(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	all := allMigrations(t)
 	m := newMigrator(t, db.Pool, db.Schema)
@@ -244,7 +244,7 @@ func TestUpAppliesAllAndRecordsVersions(t *testing.T) {
 
 func TestUpTwiceIsNoop(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	m := newMigrator(t, db.Pool, db.Schema)
 	if _, err := m.Up(ctx); err != nil {
@@ -277,7 +277,7 @@ func TestUpTwiceIsNoop(t *testing.T) {
 
 func TestStatusBeforeAndAfterUp(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	all := allMigrations(t)
 	m := newMigrator(t, db.Pool, db.Schema)
@@ -330,7 +330,7 @@ func TestStatusBeforeAndAfterUp(t *testing.T) {
 
 func TestDownRevertsAndUpAgain(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	all := allMigrations(t)
 	m := newMigrator(t, db.Pool, db.Schema)
@@ -396,7 +396,7 @@ func TestDownRevertsAndUpAgain(t *testing.T) {
 
 func TestDownNegativeTarget(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	m := newMigrator(t, db.Pool, db.Schema)
 	if _, err := m.Up(ctx); err != nil {
@@ -415,13 +415,13 @@ func TestDownNegativeTarget(t *testing.T) {
 // succeeds and each migration is applied exactly once.
 func TestConcurrentUp(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	all := allMigrations(t)
 	schema := freshSchema(t, db)
 	const n = 8
 	// A pool of its own with room for every caller, so they really run at once.
-	pool, err := testenv.NewPool(ctx, db.URL, db.Schema, n+1)
+	pool, err := pgtest.NewPool(ctx, db.URL, db.Schema, n+1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -472,7 +472,7 @@ func TestConcurrentUp(t *testing.T) {
 // waits on it, then finds nothing left to do once the first commits.
 func TestUpWaitsForLock(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	all := allMigrations(t)
 
@@ -512,7 +512,7 @@ func TestUpWaitsForLock(t *testing.T) {
 	}()
 
 	// The second Up must be waiting for the same advisory lock.
-	testenv.WaitFor(t, ctx, "a second Up waiting for the migration lock", func() bool {
+	pgtest.WaitFor(t, ctx, "a second Up waiting for the migration lock", func() bool {
 		var waiting bool
 		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks
 			WHERE locktype = 'advisory' AND classid = $1 AND objid = $2 AND NOT granted)`,
@@ -567,7 +567,7 @@ func TestNewRejectsInvalidSchema(t *testing.T) {
 
 func TestNewDefaults(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	m, err := migrations.New(db.Pool, migrations.Config{})
 	if err != nil {
 		t.Fatalf("New with an empty schema: %v", err)
@@ -582,7 +582,7 @@ func TestNewDefaults(t *testing.T) {
 
 func TestUpLogsEachMigration(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	all := allMigrations(t)
 	var buf bytes.Buffer
@@ -625,7 +625,7 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 // schema, one file after another, no migrator involved.
 func TestEmbeddedFilesWithPlainClient(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	cfg, err := pgx.ParseConfig(db.URL)
 	if err != nil {
@@ -699,7 +699,7 @@ func TestEmbeddedFilesWithPlainClient(t *testing.T) {
 // TestUpOnCancelledContext checks that a failed Up leaves nothing behind.
 func TestUpOnCancelledContext(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	m := newMigrator(t, db.Pool, db.Schema)

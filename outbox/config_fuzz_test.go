@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/outbox"
 )
 
@@ -15,7 +15,7 @@ import (
 // rules: the fields New must refuse (Outbox.* for the embedded Config).
 func relayInvalidFields(cfg outbox.RelayConfig) map[string]bool {
 	bad := map[string]bool{}
-	bad["Outbox.Schema"] = cfg.Outbox.Schema != "" && !testenv.SchemaNameValid(cfg.Outbox.Schema)
+	bad["Outbox.Schema"] = cfg.Outbox.Schema != "" && !pgtest.SchemaNameValid(cfg.Outbox.Schema)
 	if cfg.Outbox.Shards < 0 || cfg.Outbox.Shards > 1<<16 {
 		bad["Outbox.Shards"] = true
 	}
@@ -57,7 +57,7 @@ var relayErrorFieldRE = regexp.MustCompile(`^outbox: (Config|RelayConfig)\.([A-Z
 // every field is valid, and a refusal names a field that is invalid. Schema
 // names with quotes, semicolons or spaces are always refused.
 func FuzzRelayConfig(f *testing.F) {
-	pool := testenv.UnreachablePool(f)
+	pool := pgtest.UnreachablePool(f)
 	f.Add("", 0, "127.0.0.1:9092", int64(0), int64(0), int64(0), 0, true, uint32(0))
 	f.Add("oncely", 64, "a,b", int64(time.Second), int64(time.Millisecond), int64(time.Hour), 500, true, uint32(0))
 	f.Add(`x"; drop table y`, -1, "a,", int64(time.Millisecond), int64(-1), int64(-time.Hour), -1, false, uint32(1))
@@ -66,10 +66,10 @@ func FuzzRelayConfig(f *testing.F) {
 		f.Add("oncely", 1, "a", int64(time.Second), int64(time.Millisecond), int64(time.Hour), 5, true, uint32(1)<<i)
 	}
 	f.Fuzz(func(t *testing.T, schema string, shards int, brokers string, produce, delay, retention int64, batch int, withPool bool, negate uint32) {
-		d := func(i int, v int64) time.Duration { return time.Duration(testenv.Signed(negate, i, v)) }
+		d := func(i int, v int64) time.Duration { return time.Duration(pgtest.Signed(negate, i, v)) }
 		cfg := outbox.RelayConfig{
-			Outbox:    outbox.Config{Schema: schema, Shards: testenv.Signed(negate, 9, shards)},
-			BatchSize: testenv.Signed(negate, 0, batch), CleanupBatch: testenv.Signed(negate, 1, batch*2),
+			Outbox:    outbox.Config{Schema: schema, Shards: pgtest.Signed(negate, 9, shards)},
+			BatchSize: pgtest.Signed(negate, 0, batch), CleanupBatch: pgtest.Signed(negate, 1, batch*2),
 			PollInterval: d(2, delay), NotifyDebounce: d(3, delay/100),
 			RetryBaseDelay: d(4, delay), RetryMaxDelay: d(5, retention),
 			Retention: d(6, retention), CleanupInterval: d(7, retention/10), ProduceTimeout: d(8, produce),
@@ -84,7 +84,7 @@ func FuzzRelayConfig(f *testing.F) {
 		if err == nil && (r == nil || strings.ContainsAny(schema, "\"'; \\")) {
 			t.Fatalf("NewRelay accepted the schema name %q, or returned nothing", schema)
 		}
-		testenv.CheckConfigError(t, err, relayInvalidFields(cfg), func(msg string) (string, bool) {
+		pgtest.CheckConfigError(t, err, relayInvalidFields(cfg), func(msg string) (string, bool) {
 			m := relayErrorFieldRE.FindStringSubmatch(msg)
 			if m == nil {
 				return "", false

@@ -11,24 +11,15 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/oncely/oncely/internal/testenv"
-	"github.com/oncely/oncely/migrations"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/outbox"
 )
 
-func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
-func migrated(tb testing.TB) *testenv.DB {
+func migrated(tb testing.TB) *pgtest.DB {
 	tb.Helper()
-	db := testenv.Postgres(tb)
-	m, err := migrations.New(db.Pool, migrations.Config{Schema: db.Schema})
-	if err != nil {
-		tb.Fatal(err)
-	}
-	if _, err := m.Up(context.Background()); err != nil {
-		tb.Fatal(err)
-	}
-	return db
+	return pgtest.Migrate(tb, pgtest.Postgres(tb))
 }
 
 func TestConfigErrorsNameTheField(t *testing.T) {
@@ -41,15 +32,15 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{func() error { _, err := outbox.New(outbox.Config{Shards: -1}); return err }(), "Config.Shards"},
 		{func() error { _, err := outbox.NewRelay(outbox.RelayConfig{Brokers: []string{"b"}}); return err }(), "RelayConfig.Pool"},
 		{func() error {
-			_, err := outbox.NewRelay(outbox.RelayConfig{Pool: testenv.Postgres(t).Pool, Brokers: []string{"b"}, ProduceTimeout: time.Millisecond})
+			_, err := outbox.NewRelay(outbox.RelayConfig{Pool: pgtest.Postgres(t).Pool, Brokers: []string{"b"}, ProduceTimeout: time.Millisecond})
 			return err
 		}(), "RelayConfig.ProduceTimeout"},
 		{func() error {
-			_, err := outbox.NewRelay(outbox.RelayConfig{Pool: testenv.Postgres(t).Pool})
+			_, err := outbox.NewRelay(outbox.RelayConfig{Pool: pgtest.Postgres(t).Pool})
 			return err
 		}(), "RelayConfig.Brokers"},
 		{func() error {
-			_, err := outbox.NewRelay(outbox.RelayConfig{Pool: testenv.Postgres(t).Pool, Brokers: []string{"b"}, CleanupBatch: -1})
+			_, err := outbox.NewRelay(outbox.RelayConfig{Pool: pgtest.Postgres(t).Pool, Brokers: []string{"b"}, CleanupBatch: -1})
 			return err
 		}(), "RelayConfig.CleanupBatch"},
 	} {

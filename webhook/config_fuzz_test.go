@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/outbox"
 )
 
@@ -98,7 +98,7 @@ var receiverErrorFieldRE = regexp.MustCompile(`^webhook: Config\.([A-Za-z]+)[: ]
 // FuzzReceiverConfig: New never panics, accepts a config exactly when it is
 // valid and otherwise names an invalid field.
 func FuzzReceiverConfig(f *testing.F) {
-	pool := testenv.UnreachablePool(f)
+	pool := pgtest.UnreachablePool(f)
 	v := mustVerifier(f, NewGitHub, VerifierConfig{Secrets: []string{"s"}})
 	f.Add("webhooks", "", 0, int64(0), int64(0), 0, true)
 	f.Add("web hooks", "oncely", 0, int64(-1), int64(-time.Second), 1, true)
@@ -124,6 +124,6 @@ func FuzzReceiverConfig(f *testing.F) {
 		if err == nil && rc == nil {
 			t.Fatal("New returned neither a receiver nor an error")
 		}
-		testenv.CheckConfigError(t, err, bad, testenv.FieldMatch(receiverErrorFieldRE))
+		pgtest.CheckConfigError(t, err, bad, pgtest.FieldMatch(receiverErrorFieldRE))
 	})
 }

@@ -3,24 +3,18 @@ package main
 import (
 	"bytes"
 	"context"
-	"encoding/json"
-	"errors"
 	"os"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/oncely/oncely/consumer"
-	"github.com/oncely/oncely/dlq"
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/outbox"
 	"github.com/oncely/oncely/webhook/outbound"
 )
 
-func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
 // oncely runs one command line in-process.
 func oncely(t *testing.T, args ...string) (code int, stdout, stderr string) {
@@ -32,7 +26,7 @@ func oncely(t *testing.T, args ...string) (code int, stdout, stderr string) {
 
 func TestMigrateCommands(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	schema := db.Schema + "_cli"
 	t.Cleanup(func() { _, _ = db.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+schema+` CASCADE`) })
 	base := []string{"--database-url", db.URL, "--schema", schema}
@@ -87,113 +81,9 @@ func TestBadUsage(t *testing.T) {
 	}
 }
 
-// The dlq commands end to end: a consumer dead-letters three records, the
-// CLI lists, filters and shows them, and redrives one to a fixed consumer.
-func TestDLQCommands(t *testing.T) {
-	t.Parallel()
-	db := testenv.Postgres(t)
-	k := testenv.NewKafka(t)
-	topic := k.CreateTopic(t, "orders", 1)
-	dlqTopic := dlq.DefaultTopic(topic)
-	k.CreateTopicNamed(t, dlqTopic, 1)
-	ctx := context.Background()
-	if code, out, errs := oncely(t, "migrate", "up", "--database-url", db.URL, "--schema", db.Schema); code != 0 {
-		t.Fatalf("migrate: %s %s", out, errs)
-	}
-	if _, err := db.Pool.Exec(ctx, `CREATE TABLE effects (id text)`); err != nil {
-		t.Fatal(err)
-	}
-	producer := k.Client(t)
-	for _, r := range []struct{ id, value string }{{"a", "bad"}, {"b", "boom"}, {"c", "bad"}} {
-		rec := &kgo.Record{Topic: topic, Value: []byte(r.value), Headers: []kgo.RecordHeader{{Key: "message-id", Value: []byte(r.id)}}}
-		if err := producer.ProduceSync(ctx, rec).FirstErr(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	group := testenv.UniqueName("g")
-	runConsumer := func(h consumer.Handler) (*consumer.Consumer, func()) {
-		c, err := consumer.New(consumer.Config{Brokers: k.Brokers, Topics: []string{topic}, Group: group, Pool: db.Pool,
-			Schema: db.Schema, Handler: h, MaxAttempts: 2, RetryBaseDelay: time.Millisecond, RetryMaxDelay: 5 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		cctx, cancel := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- c.Run(cctx) }()
-		return c, func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Run: %v", err)
-			}
-		}
-	}
-	c1, stop1 := runConsumer(func(_ context.Context, _ pgx.Tx, m *consumer.Message) error {
-		if string(m.Value) == "bad" {
-			return dlq.Permanent(errors.New("rejected by v1"))
-		}
-		return errors.New("flaky")
-	})
-	waitFor(t, "three records dead-lettered", func() bool { return c1.Stats().DeadLettered == 3 })
-	stop1()
-
-	kafka := []string{"--brokers", strings.Join(k.Brokers, ","), "--topic", dlqTopic}
-	code, out, errs := oncely(t, append([]string{"dlq", "list"}, kafka...)...)
-	if code != 0 || !strings.Contains(out, "3 records") || !strings.Contains(out, "rejected by v1") || !strings.Contains(out, "max_attempts") {
-		t.Fatalf("list: %d %q %q", code, out, errs)
-	}
-	code, out, _ = oncely(t, append([]string{"dlq", "list", "--class", "permanent", "--json"}, kafka...)...)
-	lines := strings.Split(strings.TrimSpace(out), "\n")
-	if code != 0 || len(lines) != 2 {
-		t.Fatalf("list --class permanent --json: %d %q", code, out)
-	}
-	var je jsonEntry
-	if err := json.Unmarshal([]byte(lines[0]), &je); err != nil || je.Info.MessageID != "a" || je.Headers[dlq.HeaderGroup] != group {
-		t.Fatalf("json entry %+v, %v", je, err)
-	}
-	if code, out, _ = oncely(t, append([]string{"dlq", "list", "--since", "1h", "--until", "1h"}, kafka...)...); code != 0 || !strings.Contains(out, "0 records") {
-		t.Errorf("list with an empty time window: %d %q", code, out)
-	}
-	code, out, _ = oncely(t, append(append([]string{"dlq", "show"}, kafka...), "0/1")...)
-	if code != 0 || !strings.Contains(out, "record "+dlqTopic+"/0/1") || !strings.Contains(out, dlq.HeaderAttempts+": 2") || !strings.Contains(out, "value: boom") {
-		t.Fatalf("show: %d %q", code, out)
-	}
-
-	// v2 accepts everything; redrive record "a" only.
-	c2, stop2 := runConsumer(func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
-		_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, m.ID)
-		return err
-	})
-	defer stop2()
-	code, out, _ = oncely(t, append([]string{"dlq", "redrive", "--dry-run", "--message-id", "a"}, kafka...)...)
-	if code != 0 || !strings.Contains(out, "would-redrive") || !strings.Contains(out, "1 would be redriven") {
-		t.Fatalf("dry run: %d %q", code, out)
-	}
-	code, out, _ = oncely(t, append([]string{"dlq", "redrive", "--message-id", "a"}, kafka...)...)
-	if code != 0 || !strings.Contains(out, "1 redriven") {
-		t.Fatalf("redrive: %d %q", code, out)
-	}
-	waitFor(t, "redriven record processed", func() bool { return c2.Stats().Processed == 1 })
-	code, out, _ = oncely(t, append([]string{"dlq", "redrive", "--message-id", "a", "--database-url", db.URL, "--schema", db.Schema}, kafka...)...)
-	if code != 0 || !strings.Contains(out, "1 skipped (processed)") {
-		t.Fatalf("second redrive: %d %q", code, out)
-	}
-	var n int
-	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE id = 'a'`).Scan(&n); err != nil || n != 1 {
-		t.Fatalf("effects of a = %d, %v; want 1", n, err)
-	}
-	if s := c2.Stats(); s.Processed != 1 || s.DeadLettered != 0 {
-		t.Errorf("v2 stats %+v: only the redriven record should have run", s)
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	testenv.Eventually(t, time.Minute, what, cond)
-}
-
 func TestOutboxStatusCommand(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := context.Background()
 	if code, out, errs := oncely(t, "migrate", "up", "--database-url", db.URL, "--schema", db.Schema); code != 0 {
 		t.Fatalf("migrate: %s %s", out, errs)
@@ -221,7 +111,7 @@ func TestOutboxStatusCommand(t *testing.T) {
 // dead delivery (dry run first), with usage errors that name the flag.
 func TestWebhooksCommands(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := context.Background()
 	if code, out, errs := oncely(t, "migrate", "up", "--database-url", db.URL, "--schema", db.Schema); code != 0 {
 		t.Fatalf("migrate: %s %s", out, errs)

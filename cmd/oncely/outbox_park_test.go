@@ -9,7 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/outbox"
 )
 
@@ -18,7 +18,7 @@ import (
 // one, and ids that are not parked or not ids are refused.
 func TestOutboxParkedCommands(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := context.Background()
 	base := []string{"--database-url", db.URL, "--schema", db.Schema}
 	if code, out, errs := oncely(t, append([]string{"migrate", "up"}, base...)...); code != 0 {

@@ -1,5 +1,8 @@
-// Package testenv gives oncely's tests their services, following the rules in
-// the design brief:
+// Package testenv gives oncely's integration tests, the example's and the
+// CLI's tests their services, following the rules in the design brief. It is
+// a module of its own (it needs testcontainers and kfake, which the module
+// users import must not carry); the library packages' own tests use
+// internal/pgtest, whose helpers this package shares.
 //
 // Postgres: DATABASE_URL when set; otherwise, when a container engine is
 // reachable, one testcontainers Postgres container per test package (image
@@ -15,14 +18,11 @@ package testenv
 import (
 	"cmp"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -38,9 +38,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"go.uber.org/goleak"
 
-	"github.com/oncely/oncely/internal/sqlident"
+	"github.com/oncely/oncely/internal/pgtest"
 )
 
 // DefaultPostgresImage is the image used for the testcontainers path unless
@@ -58,20 +57,11 @@ var shared struct {
 	rp        *redpanda.Container
 }
 
-// Main runs the package's tests and then removes any container the package
-// started. Use it from TestMain: os.Exit(testenv.Main(m)).
+// Main runs the package's tests, checks that every goroutine they started
+// has stopped (pgtest.CheckLeaks), and then removes any container the
+// package started. Use it from TestMain: os.Exit(testenv.Main(m)).
 func Main(m *testing.M) int {
-	code := m.Run()
-	if code == 0 && os.Getenv("ONCELY_GOLEAK") != "0" {
-		// Every goroutine the tests started must have stopped: each has an
-		// owner and a stop path. A Kafka client that a stopped consumer
-		// closes in the background (a leave or commit still in flight) is
-		// given its bounded time to finish; anything alive after that leaked.
-		if err := findLeaks(15 * time.Second); err != nil {
-			fmt.Fprintf(os.Stderr, "testenv: leaked goroutines: %v\n", err)
-			code = 1
-		}
-	}
+	code := pgtest.CheckLeaks(m.Run())
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if shared.pg != nil {
@@ -85,19 +75,6 @@ func Main(m *testing.M) int {
 		}
 	}
 	return code
-}
-
-// findLeaks reports the goroutines still running after within, checking
-// again every 200ms until none are left.
-func findLeaks(within time.Duration) error {
-	deadline := time.Now().Add(within)
-	for {
-		err := goleak.Find()
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
 }
 
 // ContainerEngineReachable reports whether testcontainers can reach a Docker
@@ -255,70 +232,48 @@ func freePort() (int, error) {
 }
 
 // DB is a test's own schema in the package's Postgres.
-type DB struct {
-	URL    string // connection string of the server
-	Schema string // the test's schema; the pool's search_path points at it
-	Pool   *pgxpool.Pool
-}
+type DB = pgtest.DB
 
 // Postgres creates a schema for the test in the package's Postgres (see
 // DatabaseURL), returns a pool whose search_path is that schema, and drops
 // the schema when the test ends.
 func Postgres(t testing.TB) *DB {
 	t.Helper()
-	return PostgresAt(t, DatabaseURL(t))
+	return pgtest.PostgresAt(t, DatabaseURL(t))
 }
 
 // PostgresAt is Postgres on the server at url, e.g. a test's own Container.
 func PostgresAt(t testing.TB, url string) *DB {
 	t.Helper()
-	schema := UniqueName("t")
-	ctx := context.Background()
-	admin, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatalf("testenv: connect %s: %v", url, err)
-	}
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+sqlident.Quote(schema)); err != nil {
-		admin.Close()
-		t.Fatalf("testenv: create schema: %v", err)
-	}
-	pool, err := NewPool(ctx, url, schema, 8)
-	if err != nil {
-		t.Fatalf("testenv: %v", err)
-	}
-	t.Cleanup(func() {
-		pool.Close()
-		defer admin.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if _, err := admin.Exec(ctx, "DROP SCHEMA "+sqlident.Quote(schema)+" CASCADE"); err != nil {
-			t.Logf("testenv: drop schema %s: %v", schema, err)
-		}
-	})
-	return &DB{URL: url, Schema: schema, Pool: pool}
+	return pgtest.PostgresAt(t, url)
 }
 
-// NewPool opens a pool whose connections use schema as their search_path.
-// Unless url sets connect_timeout, connecting gives up after 10 s, so that
-// a server that is away fails attempts instead of hanging them.
+// Migrated is Postgres with every migration applied to the test's schema.
+func Migrated(t testing.TB) *DB {
+	t.Helper()
+	return pgtest.Migrate(t, Postgres(t))
+}
+
+// NewPool opens a pool whose connections use schema as their search_path
+// (pgtest.NewPool).
 func NewPool(ctx context.Context, url, schema string, maxConns int32) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		return nil, fmt.Errorf("parse database url: %w", err)
-	}
-	cfg.ConnConfig.ConnectTimeout = cmp.Or(cfg.ConnConfig.ConnectTimeout, 10*time.Second)
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.MaxConns = maxConns
-	return pgxpool.NewWithConfig(ctx, cfg)
+	return pgtest.NewPool(ctx, url, schema, maxConns)
+}
+
+// PostgresProxy is a TCP proxy in front of the package's Postgres that a
+// test cuts off to make the database unreachable (pgtest.PostgresProxy).
+type PostgresProxy = pgtest.PostgresProxy
+
+// NewPostgresProxy starts a proxy to the package's Postgres, stopped when
+// the test ends.
+func NewPostgresProxy(t testing.TB) *PostgresProxy {
+	t.Helper()
+	return pgtest.NewPostgresProxyAt(t, DatabaseURL(t))
 }
 
 // UniqueName returns prefix followed by 12 random hex digits, usable as a
 // schema, topic or group name.
-func UniqueName(prefix string) string {
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	return prefix + "_" + hex.EncodeToString(b[:])
-}
+func UniqueName(prefix string) string { return pgtest.UniqueName(prefix) }
 
 // Kafka is a test's Kafka: its seed brokers and, when in-process, the kfake
 // cluster for fault injection.
@@ -417,99 +372,11 @@ func (k *Kafka) Client(t testing.TB, opts ...kgo.Opt) *kgo.Client {
 // when ctx ends first. Tests wait on conditions this way, never on sleeps.
 func WaitFor(t testing.TB, ctx context.Context, what string, cond func() bool) {
 	t.Helper()
-	tick := time.NewTicker(5 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("timed out waiting for %s", what)
-		case <-tick.C:
-		}
-	}
+	pgtest.WaitFor(t, ctx, what, cond)
 }
 
 // Eventually is WaitFor with a timeout instead of a context.
 func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	WaitFor(t, ctx, what, cond)
-}
-
-// UnreachablePool returns a pool for tests that only construct things: it
-// connects lazily, to a port where nothing listens, so it never reaches a
-// server.
-func UnreachablePool(tb testing.TB) *pgxpool.Pool {
-	tb.Helper()
-	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none?connect_timeout=1")
-	if err != nil {
-		tb.Fatalf("testenv: %v", err)
-	}
-	tb.Cleanup(pool.Close)
-	return pool
-}
-
-// SchemaNameValid is the tests' own reading of the documented rule for
-// schema names, independent of package sqlident: lower-case ASCII letters,
-// digits and underscores, not starting with a digit, at most 63 bytes, and
-// not a system schema. Configuration fuzzers compare constructors with it.
-func SchemaNameValid(s string) bool {
-	for i, c := range []byte(s) {
-		if !(c >= 'a' && c <= 'z' || c == '_' || i > 0 && c >= '0' && c <= '9') {
-			return false
-		}
-	}
-	return s != "" && len(s) <= 63 && !strings.HasPrefix(s, "pg_") && s != "information_schema"
-}
-
-// CheckConfigError checks a constructor's answer to a config against the
-// test's own list of the config's invalid fields: it must succeed exactly
-// when no field is invalid, and a refusal must name (as field extracts it
-// from the message) one of the invalid fields.
-func CheckConfigError(tb testing.TB, err error, invalid map[string]bool, field func(msg string) (string, bool)) {
-	tb.Helper()
-	var bad []string
-	for name, b := range invalid {
-		if b {
-			bad = append(bad, name)
-		}
-	}
-	if err == nil {
-		if len(bad) > 0 {
-			tb.Fatalf("a config with invalid fields %v was accepted", bad)
-		}
-		return
-	}
-	name, ok := field(err.Error())
-	switch {
-	case !ok:
-		tb.Fatalf("the error %q names no field", err)
-	case !invalid[name]:
-		tb.Fatalf("the error %q names %s, which is valid (invalid: %v)", err, name, bad)
-	}
-}
-
-// FieldMatch returns a field extractor for CheckConfigError: the last
-// group of re's match in the message.
-func FieldMatch(re *regexp.Regexp) func(msg string) (string, bool) {
-	return func(msg string) (string, bool) {
-		m := re.FindStringSubmatch(msg)
-		if len(m) < 2 {
-			return "", false
-		}
-		return m[len(m)-1], true
-	}
-}
-
-// Signed returns v, or a negative value when bit i of mask is set.
-// Configuration fuzzers derive several fields from one input and use it to
-// make each of them negative on its own.
-func Signed[T ~int | ~int64](mask uint32, i int, v T) T {
-	if mask>>i&1 == 0 {
-		return v
-	}
-	if v < 0 {
-		return v
-	}
-	return -v - 1
+	pgtest.Eventually(t, timeout, what, cond)
 }

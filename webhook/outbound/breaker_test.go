@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 )
 
 // TestBreakerFlappingEndpoint: endpoint F fails until told otherwise,
@@ -45,7 +45,7 @@ func TestBreakerFlappingEndpoint(t *testing.T) {
 
 	// Wait for the breaker to open and for the attempts claimed before it
 	// opened to finish: from then on, every request F gets is a probe.
-	testenv.WaitFor(t, e.ctx, "F's breaker open with nothing in flight", func() bool {
+	pgtest.WaitFor(t, e.ctx, "F's breaker open with nothing in flight", func() bool {
 		b, err := e.store.Breaker(e.ctx, e.db.Pool, fsub.ID)
 		return err == nil && b.State == BreakerOpen &&
 			e.count(t, "subscription_id = $1 AND status = 'delivering'", fsub.ID) == 0
@@ -58,13 +58,13 @@ func TestBreakerFlappingEndpoint(t *testing.T) {
 
 	start := time.Now()
 	e.enqueue(t, events("g", "g", ng)...)
-	testenv.WaitFor(t, e.ctx, "G's deliveries", func() bool { return e.count(t, "status = 'delivered'") == ng })
+	pgtest.WaitFor(t, e.ctx, "G's deliveries", func() bool { return e.count(t, "status = 'delivered'") == ng })
 	gTime := time.Since(start)
 	if b, _ := e.store.Breaker(e.ctx, e.db.Pool, fsub.ID); b.State == BreakerClosed {
 		t.Fatalf("F's breaker closed while F was failing: %+v", b)
 	}
 	t.Logf("G: %d deliveries in %s while F's breaker was open (%.0f/s)", ng, gTime.Round(time.Millisecond), float64(ng)/gTime.Seconds())
-	testenv.WaitFor(t, e.ctx, "three failed probes to F", func() bool { return f.count()-probeStart >= 3 })
+	pgtest.WaitFor(t, e.ctx, "three failed probes to F", func() bool { return f.count()-probeStart >= 3 })
 	// While open, F saw probes only: one at a time, each at least a
 	// cool-down after the previous one failed.
 	probes := f.requests()[probeStart:]
@@ -79,7 +79,7 @@ func TestBreakerFlappingEndpoint(t *testing.T) {
 
 	// F recovers: the next probe closes the breaker, the rest follows.
 	failing.Store(false)
-	testenv.WaitFor(t, e.ctx, "F's deliveries", func() bool { return e.count(t, "status = 'delivered'") == ng+nf })
+	pgtest.WaitFor(t, e.ctx, "F's deliveries", func() bool { return e.count(t, "status = 'delivered'") == ng+nf })
 	rs := f.requests()
 	if n := e.count(t, "status = 'dead'"); n != 0 {
 		t.Errorf("%d deliveries died: the open breaker spent their attempts", n)
@@ -125,10 +125,10 @@ func TestSlowEndpointDoesNotStarveOthers(t *testing.T) {
 	const ns, nh = 10, 30
 	e.enqueue(t, events("s", "s", ns)...) // S's work is older: it is first in line
 	run(t, newDispatcher(t, cfg))
-	testenv.WaitFor(t, e.ctx, "S holding its 2 slots", func() bool { n, _ := s.concurrency(); return n == 2 })
+	pgtest.WaitFor(t, e.ctx, "S holding its 2 slots", func() bool { n, _ := s.concurrency(); return n == 2 })
 	start := time.Now()
 	e.enqueue(t, events("h", "h", nh)...)
-	testenv.WaitFor(t, e.ctx, "H's deliveries", func() bool {
+	pgtest.WaitFor(t, e.ctx, "H's deliveries", func() bool {
 		return e.count(t, "subscription_id = $1 AND status = 'delivered'", hsub.ID) == nh
 	})
 	hTime := time.Since(start)
@@ -140,7 +140,7 @@ func TestSlowEndpointDoesNotStarveOthers(t *testing.T) {
 	}
 	t.Logf("H: %d deliveries in %s while S held 2 of 4 workers", nh, hTime.Round(time.Millisecond))
 	close(release)
-	testenv.WaitFor(t, e.ctx, "S's deliveries", func() bool { return e.count(t, "status = 'delivered'") == ns+nh })
+	pgtest.WaitFor(t, e.ctx, "S's deliveries", func() bool { return e.count(t, "status = 'delivered'") == ns+nh })
 	if _, peak := s.concurrency(); peak != 2 {
 		t.Errorf("S peaked at %d requests in flight, want 2", peak)
 	}
@@ -268,7 +268,7 @@ func TestAutoPause(t *testing.T) {
 	e.enqueue(t, events("x", "t", 3)...)
 	run(t, d)
 	var paused Subscription
-	testenv.WaitFor(t, e.ctx, "the subscription paused", func() bool {
+	pgtest.WaitFor(t, e.ctx, "the subscription paused", func() bool {
 		var err error
 		paused, err = e.store.GetSubscription(e.ctx, e.db.Pool, sub.ID)
 		return err == nil && paused.Paused()
@@ -276,7 +276,7 @@ func TestAutoPause(t *testing.T) {
 	if !strings.Contains(paused.PausedReason, "failing since") || !strings.Contains(paused.PausedReason, "HTTP 500") {
 		t.Errorf("pause reason %q", paused.PausedReason)
 	}
-	testenv.WaitFor(t, e.ctx, "nothing in flight", func() bool { return e.count(t, "status = 'delivering'") == 0 })
+	pgtest.WaitFor(t, e.ctx, "nothing in flight", func() bool { return e.count(t, "status = 'delivering'") == 0 })
 	if js, err := d.claim(e.ctx, 8); err != nil || len(js) != 0 {
 		t.Errorf("claim on a paused subscription: %d attempts, %v", len(js), err)
 	}
@@ -287,7 +287,7 @@ func TestAutoPause(t *testing.T) {
 	if err := e.store.ResumeSubscription(e.ctx, e.db.Pool, sub.ID); err != nil {
 		t.Fatal(err)
 	}
-	testenv.WaitFor(t, e.ctx, "delivery after resume", func() bool { return e.count(t, "status = 'delivered'") == 3 })
+	pgtest.WaitFor(t, e.ctx, "delivery after resume", func() bool { return e.count(t, "status = 'delivered'") == 3 })
 	if b, _ := e.store.Breaker(e.ctx, e.db.Pool, sub.ID); b.State != BreakerClosed {
 		t.Errorf("breaker after resume: %+v", b)
 	}

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 )
 
 // TestTwoDispatchersNeverDeliverAnAttemptTwice runs two dispatchers, each
@@ -42,7 +42,7 @@ func TestTwoDispatchersNeverDeliverAnAttemptTwice(t *testing.T) {
 	b := newDispatcher(t, cfg)
 	enq := e.enqueue(t, events("ev", "t", n)...)
 	stopA, stopB := run(t, a), run(t, b)
-	testenv.WaitFor(t, e.ctx, "every delivery", func() bool { return e.count(t, "status = 'delivered'") == 3*n })
+	pgtest.WaitFor(t, e.ctx, "every delivery", func() bool { return e.count(t, "status = 'delivered'") == 3*n })
 	stopA() // counters are final once Run returned
 	stopB()
 
@@ -137,7 +137,7 @@ func TestCrashMidDeliveryRetriesWithSameWebhookID(t *testing.T) {
 	cfg.DrainTimeout = 0
 	b := newDispatcher(t, cfg)
 	stopB := run(t, b)
-	testenv.WaitFor(t, e.ctx, "the retry", func() bool { return e.delivery(t, enq.WebhookID).Status == StatusDelivered })
+	pgtest.WaitFor(t, e.ctx, "the retry", func() bool { return e.delivery(t, enq.WebhookID).Status == StatusDelivered })
 	stopB()
 	rs := ep.requests()
 	if len(rs) != 2 || rs[0].webhookID != enq.WebhookID || rs[1].webhookID != enq.WebhookID ||

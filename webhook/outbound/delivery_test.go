@@ -14,7 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 )
 
 func TestEnqueueFanOut(t *testing.T) {
@@ -118,7 +118,7 @@ func TestDeliverSignedRequest(t *testing.T) {
 	}
 	before := time.Now().Unix()
 	run(t, newDispatcher(t, e.fastConfig()))
-	testenv.WaitFor(t, e.ctx, "the delivery", func() bool { return e.delivery(t, enq[0].WebhookID).Status == StatusDelivered })
+	pgtest.WaitFor(t, e.ctx, "the delivery", func() bool { return e.delivery(t, enq[0].WebhookID).Status == StatusDelivered })
 
 	rs := ep.requests()
 	if len(rs) != 1 {
@@ -188,7 +188,7 @@ func TestRetriesGrowWithJitter(t *testing.T) {
 	}}
 	enq := e.enqueue(t, events("retry", "t", n)...)
 	stop := run(t, d)
-	testenv.WaitFor(t, e.ctx, "all deliveries", func() bool { return e.count(t, "status = 'delivered'") == n })
+	pgtest.WaitFor(t, e.ctx, "all deliveries", func() bool { return e.count(t, "status = 'delivered'") == n })
 	stop() // counters are final once Run returned
 
 	// A sanity bound on lateness only: polling, claiming and recording take
@@ -280,12 +280,12 @@ func TestRetryAfter(t *testing.T) {
 			cfg.RetryBaseDelay, cfg.RetryMaxDelay, cfg.MaxRetryAfter = time.Hour, time.Hour, tc.cap
 			first := e.enqueue(t, Event{ID: "first", Type: "t", Payload: []byte(`{"k":"first"}`)})[0]
 			run(t, newDispatcher(t, cfg))
-			testenv.WaitFor(t, e.ctx, "the throttled first attempt", func() bool {
+			pgtest.WaitFor(t, e.ctx, "the throttled first attempt", func() bool {
 				d := e.delivery(t, first.WebhookID)
 				return d.Status == StatusPending && d.LastStatus == tc.status
 			})
 			second := e.enqueue(t, Event{ID: "second", Type: "t", Payload: []byte(`{"k":"second"}`)})[0]
-			testenv.WaitFor(t, e.ctx, "both deliveries", func() bool { return e.count(t, "status = 'delivered'") == 2 })
+			pgtest.WaitFor(t, e.ctx, "both deliveries", func() bool { return e.count(t, "status = 'delivered'") == 2 })
 
 			by := byWebhookID(ep.requests())
 			f := by[first.WebhookID]
@@ -319,7 +319,7 @@ func TestTerminalAnswerIsDeadAfterOneAttempt(t *testing.T) {
 	enq := e.enqueue(t, Event{ID: "x", Type: "t", Payload: []byte(`{}`)})[0]
 	d := newDispatcher(t, e.fastConfig())
 	run(t, d)
-	testenv.WaitFor(t, e.ctx, "the dead delivery", func() bool { return e.delivery(t, enq.WebhookID).Status == StatusDead })
+	pgtest.WaitFor(t, e.ctx, "the dead delivery", func() bool { return e.delivery(t, enq.WebhookID).Status == StatusDead })
 	got := e.delivery(t, enq.WebhookID)
 	if got.Attempts != 1 || got.LastStatus != 410 || !strings.Contains(got.LastError, "410") ||
 		!strings.Contains(got.LastError, "this endpoint is gone") || got.DeadAt.IsZero() {
@@ -343,7 +343,7 @@ func TestAttemptsExhaustedIsDead(t *testing.T) {
 	cfg.MaxAttempts = 3
 	enq := e.enqueue(t, Event{ID: "x", Type: "t", Payload: []byte(`{}`)})[0]
 	run(t, newDispatcher(t, cfg))
-	testenv.WaitFor(t, e.ctx, "the dead delivery", func() bool { return e.delivery(t, enq.WebhookID).Status == StatusDead })
+	pgtest.WaitFor(t, e.ctx, "the dead delivery", func() bool { return e.delivery(t, enq.WebhookID).Status == StatusDead })
 	got := e.delivery(t, enq.WebhookID)
 	if got.Attempts != 3 || got.LastStatus != 502 || !strings.Contains(got.LastError, "exhausted") {
 		t.Errorf("dead delivery: %+v", got)
@@ -388,7 +388,7 @@ func TestRefusesInternalAddresses(t *testing.T) {
 	cfg.AllowNetworks = nil
 	d := newDispatcher(t, cfg)
 	stop := run(t, d)
-	testenv.WaitFor(t, e.ctx, "every delivery dead", func() bool { return e.count(t, "status = 'dead'") == len(cases) })
+	pgtest.WaitFor(t, e.ctx, "every delivery dead", func() bool { return e.count(t, "status = 'dead'") == len(cases) })
 	stop() // counters are final once Run returned
 	for u, reason := range cases {
 		var last string

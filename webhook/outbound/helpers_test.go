@@ -21,17 +21,17 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/migrations"
 )
 
-func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
 // loopback is what tests allow-list: httptest servers listen on 127.0.0.1.
 var loopback = []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}
 
 type env struct {
-	db    *testenv.DB
+	db    *pgtest.DB
 	store *Store
 	ctx   context.Context
 }
@@ -41,7 +41,7 @@ func setup(t *testing.T) *env {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	t.Cleanup(cancel)
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	m, err := migrations.New(db.Pool, migrations.Config{Schema: db.Schema})
 	if err != nil {
 		t.Fatal(err)
@@ -303,7 +303,7 @@ func mustUUID(t *testing.T, s string) uuid.UUID {
 // would have.
 func (e *env) secondPool(t *testing.T) *pgxpool.Pool {
 	t.Helper()
-	p, err := testenv.NewPool(e.ctx, e.db.URL, e.db.Schema, 8)
+	p, err := pgtest.NewPool(e.ctx, e.db.URL, e.db.Schema, 8)
 	if err != nil {
 		t.Fatal(err)
 	}

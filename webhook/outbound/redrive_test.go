@@ -14,7 +14,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/pgtest"
 )
 
 // TestRedrive: dead deliveries selected by subscription and time of death go
@@ -38,10 +38,10 @@ func TestRedrive(t *testing.T) {
 	run(t, newDispatcher(t, e.fastConfig()))
 
 	early := e.enqueue(t, events("early", "a", 3)...)
-	testenv.WaitFor(t, e.ctx, "the early deaths", func() bool { return e.count(t, "status = 'dead'") == 3 })
+	pgtest.WaitFor(t, e.ctx, "the early deaths", func() bool { return e.count(t, "status = 'dead'") == 3 })
 	mid := e.dbNow(t)
 	late := e.enqueue(t, append(events("late", "a", 2), events("other", "b", 2)...)...)
-	testenv.WaitFor(t, e.ctx, "the late deaths", func() bool { return e.count(t, "status = 'dead'") == 7 })
+	pgtest.WaitFor(t, e.ctx, "the late deaths", func() bool { return e.count(t, "status = 'dead'") == 7 })
 
 	if _, err := e.store.Redrive(e.ctx, e.db.Pool, RedriveFilter{}); err == nil || !strings.Contains(err.Error(), "SubscriptionID") {
 		t.Errorf("redrive without a subscription: %v, want an error naming SubscriptionID", err)
@@ -81,7 +81,7 @@ func TestRedrive(t *testing.T) {
 			t.Errorf("redriven (as it was): %+v", d)
 		}
 	}
-	testenv.WaitFor(t, e.ctx, "the redriven deliveries", func() bool { return e.count(t, "status = 'delivered'") == 2 })
+	pgtest.WaitFor(t, e.ctx, "the redriven deliveries", func() bool { return e.count(t, "status = 'delivered'") == 2 })
 	after := epA.requests()[before:]
 	if len(after) != 2 {
 		t.Fatalf("A got %d requests after the redrive, want 2", len(after))
@@ -115,7 +115,7 @@ func TestRedrive(t *testing.T) {
 	if err != nil || len(got) != 2 || got[0].SubscriptionID != subB.ID {
 		t.Fatalf("redrive of all subscriptions: %d, %v; want B's 2", len(got), err)
 	}
-	testenv.WaitFor(t, e.ctx, "everything delivered", func() bool { return e.count(t, "status = 'delivered'") == 7 })
+	pgtest.WaitFor(t, e.ctx, "everything delivered", func() bool { return e.count(t, "status = 'delivered'") == 7 })
 }
 
 // TestMetrics reads the dispatcher's instruments through a manual reader.
@@ -148,7 +148,7 @@ func TestMetrics(t *testing.T) {
 		Event{ID: "gone", Type: "t", Payload: []byte(`{"k":"gone"}`)},
 	)
 	run(t, newDispatcher(t, cfg))
-	testenv.WaitFor(t, e.ctx, "the outcomes", func() bool {
+	pgtest.WaitFor(t, e.ctx, "the outcomes", func() bool {
 		return e.count(t, "subscription_id = $1 AND status IN ('delivered', 'dead')", sub.ID) == 3
 	})
 
@@ -180,7 +180,7 @@ func TestMetrics(t *testing.T) {
 		}
 		return n
 	}
-	testenv.WaitFor(t, e.ctx, "the counters", func() bool {
+	pgtest.WaitFor(t, e.ctx, "the counters", func() bool {
 		if err := reader.Collect(e.ctx, &rm); err != nil {
 			t.Fatal(err)
 		}

@@ -8,8 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/internal/sqlident"
-	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/outbox"
 	"github.com/oncely/oncely/webhook"
 )
@@ -59,7 +59,7 @@ func TestRoundTripWithInboundReceiver(t *testing.T) {
 		Event{ID: "lost", Type: "t", Payload: []byte(`{"k":"lost-answer"}`)},
 	)
 	run(t, newDispatcher(t, e.fastConfig()))
-	testenv.WaitFor(t, e.ctx, "all deliveries", func() bool { return e.count(t, "status = 'delivered'") == len(enq) })
+	pgtest.WaitFor(t, e.ctx, "all deliveries", func() bool { return e.count(t, "status = 'delivered'") == len(enq) })
 
 	st := rc.Stats()
 	if st.Stored != 3 || st.Duplicates != 1 || st.Refused != 0 {
@@ -94,7 +94,7 @@ func TestRoundTripWithInboundReceiver(t *testing.T) {
 		t.Fatalf("tamper event enqueued as %+v, want one delivery to the tampering endpoint", badOnes)
 	}
 	bad := badOnes[0]
-	testenv.WaitFor(t, e.ctx, "the refused delivery", func() bool { return e.delivery(t, bad.WebhookID).Status == StatusDead })
+	pgtest.WaitFor(t, e.ctx, "the refused delivery", func() bool { return e.delivery(t, bad.WebhookID).Status == StatusDead })
 	if d := e.delivery(t, bad.WebhookID); d.LastStatus != http.StatusUnauthorized || d.SubscriptionID != sub.ID {
 		t.Errorf("tampered delivery: %+v, want dead with 401", d)
 	}

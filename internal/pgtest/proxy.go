@@ -1,4 +1,4 @@
-package testenv
+package pgtest
 
 import (
 	"context"
@@ -13,11 +13,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// PostgresProxy is a TCP proxy in front of the package's Postgres that a
-// test cuts off to make the database unreachable without stopping it: Cut
-// drops every connection through the proxy (transactions in flight die with
-// them) and closes new ones at once, until Restore. It needs DATABASE_URL
-// (or the package's container) in URL form.
+// PostgresProxy is a TCP proxy in front of a Postgres that a test cuts off
+// to make the database unreachable without stopping it: Cut drops every
+// connection through the proxy (transactions in flight die with them) and
+// closes new ones at once, until Restore. It needs the database's URL in
+// postgres:// form.
 type PostgresProxy struct {
 	URL string // the database's URL with the proxy's address
 
@@ -30,22 +30,28 @@ type PostgresProxy struct {
 	conns map[net.Conn]struct{}
 }
 
-// NewPostgresProxy starts a proxy to the package's Postgres, stopped when
-// the test ends.
+// NewPostgresProxy starts a proxy to the tests' Postgres (DatabaseURL),
+// stopped when the test ends.
 func NewPostgresProxy(t testing.TB) *PostgresProxy {
 	t.Helper()
-	dbURL := DatabaseURL(t)
+	return NewPostgresProxyAt(t, DatabaseURL(t))
+}
+
+// NewPostgresProxyAt starts a proxy to the Postgres at dbURL, stopped when
+// the test ends.
+func NewPostgresProxyAt(t testing.TB, dbURL string) *PostgresProxy {
+	t.Helper()
 	cfg, err := pgconn.ParseConfig(dbURL)
 	if err != nil {
-		t.Fatalf("testenv: proxy: %v", err)
+		t.Fatalf("pgtest: proxy: %v", err)
 	}
 	u, err := url.Parse(dbURL)
 	if err != nil || u.Scheme == "" {
-		t.Fatalf("testenv: proxy: DATABASE_URL must be a postgres:// URL")
+		t.Fatalf("pgtest: proxy: DATABASE_URL must be a postgres:// URL")
 	}
 	ln, err := (&net.ListenConfig{}).Listen(context.Background(), "tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatalf("testenv: proxy: %v", err)
+		t.Fatalf("pgtest: proxy: %v", err)
 	}
 	u.Host = ln.Addr().String()
 	p := &PostgresProxy{URL: u.String(), target: net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), ln: ln,
@@ -66,7 +72,7 @@ func (p *PostgresProxy) Pool(t testing.TB, schema string, maxConns int32) *pgxpo
 	t.Helper()
 	pool, err := NewPool(context.Background(), p.URL, schema, maxConns)
 	if err != nil {
-		t.Fatalf("testenv: proxy pool: %v", err)
+		t.Fatalf("pgtest: proxy pool: %v", err)
 	}
 	t.Cleanup(pool.Close)
 	return pool

@@ -1,4 +1,4 @@
-package outbox_test
+package integration_test
 
 import (
 	"context"
@@ -12,8 +12,8 @@ import (
 	"github.com/oncely/oncely/outbox"
 )
 
-// fill enqueues n messages over 200 keys in transactions of 500.
-func fill(b *testing.B, db *testenv.DB, o *outbox.Outbox, topic string, n int) {
+// fillOutbox enqueues n messages over 200 keys in transactions of 500.
+func fillOutbox(b *testing.B, db *testenv.DB, o *outbox.Outbox, topic string, n int) {
 	b.Helper()
 	ctx := context.Background()
 	for i := 0; i < n; i += 500 {
@@ -32,12 +32,12 @@ func fill(b *testing.B, db *testenv.DB, o *outbox.Outbox, topic string, n int) {
 // rows selected per shard in id order and marked sent, without Kafka. Both
 // report events/s; the ratio is what Kafka and the relay's bookkeeping cost.
 //
-//	go test -run '^$' -bench BenchmarkOutbox -benchtime 20000x ./outbox/
+//	go test -run '^$' -bench BenchmarkOutbox -benchtime 20000x ./integration_test/
 func BenchmarkOutbox(b *testing.B) {
 	b.Run("raw-sql", func(b *testing.B) {
-		db := migrated(b)
+		db := testenv.Migrated(b)
 		o, _ := outbox.New(outbox.Config{Schema: db.Schema})
-		fill(b, db, o, "bench", b.N)
+		fillOutbox(b, db, o, "bench", b.N)
 		ctx := context.Background()
 		sel := `SELECT id, message_id, topic, key, value, header_keys, header_values FROM outbox
 			WHERE shard = $1 AND sent_at IS NULL ORDER BY id LIMIT 500`
@@ -77,11 +77,11 @@ func BenchmarkOutbox(b *testing.B) {
 		b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "events/s")
 	})
 	b.Run("relay", func(b *testing.B) {
-		db := migrated(b)
+		db := testenv.Migrated(b)
 		k := testenv.NewKafka(b)
 		topic := k.CreateTopic(b, "bench", 8)
 		o, _ := outbox.New(outbox.Config{Schema: db.Schema})
-		fill(b, db, o, topic, b.N)
+		fillOutbox(b, db, o, topic, b.N)
 		relay, err := outbox.NewRelay(outbox.RelayConfig{Outbox: outbox.Config{Schema: db.Schema}, Pool: db.Pool,
 			Brokers: k.Brokers, PollInterval: 10 * time.Millisecond})
 		if err != nil {

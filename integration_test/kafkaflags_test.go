@@ -1,4 +1,4 @@
-package kafkaflags_test
+package integration_test
 
 import (
 	"bytes"
@@ -16,10 +16,8 @@ import (
 	"github.com/oncely/oncely/internal/testenv"
 )
 
-func TestMain(m *testing.M) { os.Exit(testenv.Main(m)) }
-
-// parse registers the flags on a fresh flag set and parses args.
-func parse(t *testing.T, args []string, env map[string]string) (*kafkaflags.Flags, *bytes.Buffer) {
+// parseKafkaFlags registers the flags on a fresh flag set and parses args.
+func parseKafkaFlags(t *testing.T, args []string, env map[string]string) (*kafkaflags.Flags, *bytes.Buffer) {
 	t.Helper()
 	var out bytes.Buffer
 	fs := flag.NewFlagSet("test", flag.ContinueOnError)
@@ -32,9 +30,9 @@ func parse(t *testing.T, args []string, env map[string]string) (*kafkaflags.Flag
 	return &f, &out
 }
 
-// ping connects to brokers with the options of the flags and asks for
+// pingWithFlags connects to brokers with the options of the flags and asks for
 // metadata.
-func ping(t *testing.T, brokers []string, f *kafkaflags.Flags) error {
+func pingWithFlags(t *testing.T, brokers []string, f *kafkaflags.Flags) error {
 	t.Helper()
 	opts, err := f.Opts()
 	if err != nil {
@@ -53,7 +51,7 @@ func ping(t *testing.T, brokers []string, f *kafkaflags.Flags) error {
 // The flags against a kfake cluster that takes only TLS with SASL SCRAM:
 // the right ones connect, and each wrong one fails with an error that
 // says what is wrong and quotes no password.
-func TestConnectWithTLSAndSCRAM(t *testing.T) {
+func TestKafkaFlagsConnectWithTLSAndSCRAM(t *testing.T) {
 	t.Parallel()
 	k := testenv.NewSecureKafka(t)
 	pw256, pw512 := k.Passwords[testenv.SCRAM256User], k.Passwords[testenv.SCRAM512User]
@@ -88,8 +86,8 @@ func TestConnectWithTLSAndSCRAM(t *testing.T) {
 			want: "is TLS missing?"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f, _ := parse(t, tc.args, tc.env)
-			err := ping(t, k.Brokers, f)
+			f, _ := parseKafkaFlags(t, tc.args, tc.env)
+			err := pingWithFlags(t, k.Brokers, f)
 			switch {
 			case tc.want == "" && err != nil:
 				t.Fatalf("connect: %v", err)
@@ -109,7 +107,7 @@ func TestConnectWithTLSAndSCRAM(t *testing.T) {
 
 // Bad flags fail before connecting, naming the flag and never quoting the
 // password; -h does not print the password from the environment.
-func TestFlagErrors(t *testing.T) {
+func TestKafkaFlagsErrors(t *testing.T) {
 	t.Parallel()
 	const secret = "pw-never-shown-7f3a"
 	dir := t.TempDir()
@@ -130,7 +128,7 @@ func TestFlagErrors(t *testing.T) {
 		{[]string{"--tls-ca", notPEM}, "--tls-ca: no PEM certificates"},
 		{[]string{"--tls-cert", notPEM, "--tls-key", notPEM}, "--tls-cert/--tls-key"},
 	} {
-		f, _ := parse(t, tc.args, env)
+		f, _ := parseKafkaFlags(t, tc.args, env)
 		_, err := f.Opts()
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: error %v, want one naming %q", tc.args, err, tc.want)
@@ -139,7 +137,7 @@ func TestFlagErrors(t *testing.T) {
 			t.Errorf("%q: the error %q quotes the password", tc.args, err)
 		}
 	}
-	f, help := parse(t, []string{"-h"}, env)
+	f, help := parseKafkaFlags(t, []string{"-h"}, env)
 	if !strings.Contains(help.String(), "-sasl-password") || strings.Contains(help.String(), secret) {
 		t.Errorf("-h output lists no --sasl-password, or prints the password:\n%s", help)
 	}
