@@ -11,7 +11,7 @@ FUZZTIME ?= 30s
 # import; the nested modules (go.work lists them) hold what needs kfake or
 # testcontainers: the integration tests, the example, and their test
 # environment.
-PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/...
+PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/... ./oncelytest/...
 
 .PHONY: check-user-deps demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
 

@@ -261,7 +261,7 @@ func (cfg *Config) setDefaults() {
 	cfg.RebalanceTimeout = cmp.Or(cfg.RebalanceTimeout, 30*time.Second)
 	cfg.RetryBaseDelay = cmp.Or(cfg.RetryBaseDelay, 100*time.Millisecond)
 	cfg.RetryMaxDelay = cmp.Or(cfg.RetryMaxDelay, 10*time.Second)
-	cfg.MaxAttempts = cmp.Or(cfg.MaxAttempts, 10)
+	cfg.MaxAttempts = cmp.Or(cfg.MaxAttempts, DefaultMaxAttempts)
 	if cfg.DeadLetterTopic == nil {
 		cfg.DeadLetterTopic = dlq.DefaultTopic
 	}

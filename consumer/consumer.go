@@ -870,15 +870,8 @@ func (w *worker) retry(rec *kgo.Record, prior *result) bool {
 		default:
 			w.databaseDown(false)
 			f.fail(res)
-			if class, ok := dlq.PermanentClass(res.err); ok {
+			if class, ok := deadLetterClass(res.err, f.attempts, c.cfg.MaxAttempts); ok {
 				f.class = class
-				return w.deadLetter(rec, res.id, f)
-			}
-			if f.attempts >= c.cfg.MaxAttempts {
-				f.class = dlq.ClassMaxAttempts
-				if _, panicked := errors.AsType[*PanicError](res.err); panicked {
-					f.class = dlq.ClassPanic
-				}
 				return w.deadLetter(rec, res.id, f)
 			}
 		}
