@@ -92,9 +92,11 @@ bench-outbox:
 	$(GO) test -run '^$$' -bench BenchmarkOutbox -benchtime 20000x -count 1 ./integration_test/ | tee /tmp/oncely-bench.txt
 	@awk '/raw-sql/ {raw=$$5} /relay/ {relay=$$5} END {if (raw > 0) printf "relay / raw-SQL ceiling = %.2f\n", relay/raw}' /tmp/oncely-bench.txt
 
-## lint: formatting, vet and golangci-lint (fetched through the module proxy)
+## lint: formatting, vet and golangci-lint (fetched through the module proxy), in
+## each module's directory (./... stops at a nested module)
+LINT_MODULES ?= . examples integration_test internal/testenv oncelytest
 lint: fmt-check vet
-	$(GO) run github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0 run $(PKGS)
+	for m in $(LINT_MODULES); do (cd $$m && $(GO) run github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0 run ./...) || exit 1; done
 
 ## vet: every module, the benchmark's included; the root module also on its
 ## own (GOWORK=off), with the versions its go.mod gives users
