@@ -52,5 +52,3 @@ require (
 )
 
 replace github.com/oncely/oncely => ../
-
-replace github.com/Azure/go-ansiterm => github.com/Azure/go-ansiterm v0.0.0-20250102033503-faa5f7b0171c
