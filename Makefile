@@ -13,7 +13,7 @@ FUZZTIME ?= 30s
 # environment.
 PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/... ./oncelytest/...
 
-.PHONY: check-user-deps demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
+.PHONY: check-user-deps tidy-check demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -94,9 +94,8 @@ bench-outbox:
 
 ## lint: formatting, vet and golangci-lint (fetched through the module proxy), in
 ## each module's directory (./... stops at a nested module)
-LINT_MODULES ?= . examples integration_test internal/testenv oncelytest
 lint: fmt-check vet
-	for m in $(LINT_MODULES); do (cd $$m && $(GO) run github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0 run ./...) || exit 1; done
+	for m in $(filter-out bench,$(TIDY_MODULES)); do (cd $$m && $(GO) run github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0 run ./...) || exit 1; done
 
 ## vet: every module, the benchmark's included; the root module also on its
 ## own (GOWORK=off), with the versions its go.mod gives users
@@ -104,6 +103,12 @@ vet:
 	$(GO) vet $(PKGS)
 	GOWORK=off $(GO) vet ./...
 	cd bench && $(GO) vet ./...
+
+## tidy-check: every module's go.mod and go.sum are tidy on their own (outside
+## the workspace, as go mod tidy sees them)
+TIDY_MODULES ?= . examples integration_test internal/testenv oncelytest bench
+tidy-check:
+	for m in $(TIDY_MODULES); do (cd $$m && GOWORK=off $(GO) mod tidy -diff) || { echo "tidy-check: run go mod tidy in $$m"; exit 1; }; done
 
 ## check-user-deps: a fresh module importing every library package pulls no
 ## testcontainers, docker, moby or kfake; prints its module and go.sum line
