@@ -716,7 +716,7 @@ func TestUpOnCancelledContext(t *testing.T) {
 // not exist without creating it, and the ones above a Down's target after it.
 func TestPendingReadsOnly(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := testCtx(t)
 	all := allMigrations(t)
 	schema := db.Schema + "_pending"
