@@ -26,8 +26,19 @@
 // free again at once. Nothing is ever stranded "in progress", and no Redis
 // (or other lock service) is involved.
 //
-// The fingerprint is SHA-256 over the method, the escaped path, optionally
-// the raw query, and the SHA-256 of the raw body bytes as received. The body
+// # Keys belong to a client
+//
+// A key is unique per client, not per server: two clients that pick the
+// same key get two independent requests, and neither is ever replayed the
+// other's response. The client is named by the authentication in front of
+// the middleware: by default the one [WithClient] put in the request's
+// context, or whatever Config.Scope returns. A keyed request that names no
+// client is refused with 401 (fail closed). Config.GlobalScope is the
+// explicit opt-in to one key space shared by every client.
+//
+// The fingerprint is SHA-256 over the method, the escaped path, the raw
+// query (unless Config.IgnoreQuery), and the SHA-256 of the raw body bytes
+// as received. The body
 // is never parsed or re-serialised: two JSON documents that differ only in
 // whitespace or key order are different requests (422 under one key).
 //
@@ -36,12 +47,15 @@
 //   - 2xx, 3xx, 4xx (per Config.StoreStatus): the handler ran and its effects
 //     committed with the response. The first response carries every header
 //     the handler set; every retry within the TTL gets the same status, the
-//     recorded headers (Config.ReplayHeaders, default Content-Type and
-//     Location) and the same body byte for byte, plus Idempotent-Replayed:
+//     recorded headers (Config.ReplayHeaders, default
+//     [DefaultReplayHeaders]: Content-*, Location, ETag, Last-Modified,
+//     Link; never Set-Cookie unless listed) and the same body byte for byte, plus Idempotent-Replayed:
 //     true. Informational (1xx) responses are not forwarded.
 //   - 409 with Retry-After: another request with the key is running right
 //     now (or, rarely, was being replayed at that very moment). Retry.
-//   - 422: the key was used for another request. Do not retry with this key.
+//   - 422: the key was used for another request (another method, path,
+//     query or body). Do not retry with this key.
+//   - 401: the request names no client (see above); nothing ran.
 //   - 400: no key on a [Middleware.Require] route, or an invalid key (empty,
 //     too long, not visible ASCII; a quoted RFC 8941 string is accepted, as the
 //     IETF draft specifies). 413: body above Config.MaxBodyBytes.
@@ -72,7 +86,7 @@
 //   - A request without a key on a [Middleware.Handler] route, or with a
 //     method outside Config.Methods, passes through with no protection and
 //     no transaction ([Tx] reports false).
-//   - Changing Config.FingerprintQuery (or the version of this package's
+//   - Changing Config.IgnoreQuery (or the version of this package's
 //     fingerprint) makes retries of keys recorded before the change get 422.
 //
 // # Costs

@@ -14,6 +14,9 @@ import (
 	"github.com/oncely/oncely/migrations"
 )
 
+// accounts maps API keys to the accounts they authenticate.
+var accounts = map[string]string{"Bearer key-of-acme": "acme", "Bearer key-of-globex": "globex"}
+
 // Example serves POST /orders with a required Idempotency-Key. The order
 // row and the recorded response commit in one transaction, so a client that
 // retries (after a timeout, a dropped connection, a crash of this server)
@@ -39,10 +42,10 @@ func Example() {
 		return
 	}
 
-	mw, err := idempotency.New(pool, idempotency.Config{
-		// Keys are per client: two clients may pick the same key.
-		Scope: func(r *http.Request) string { return r.Header.Get("X-Account") },
-	})
+	// Keys are per client: two clients may pick the same key. By default
+	// the client is the one the request's context names, which the
+	// authentication middleware below sets (or set Config.Scope).
+	mw, err := idempotency.New(pool, idempotency.Config{})
 	if err != nil {
 		log.Print(err) // an invalid config is refused here, naming the field
 		return
@@ -69,6 +72,18 @@ func Example() {
 		w.WriteHeader(http.StatusCreated)
 		_, _ = io.WriteString(w, `{"id":`+strconv.FormatInt(id, 10)+`}`)
 	})))
-	log.Print(http.ListenAndServe(":8080", mux))
+	// authenticate names the verified client of every request; the
+	// middleware refuses a keyed request that names none (401).
+	authenticate := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			account, ok := accounts[r.Header.Get("Authorization")]
+			if !ok {
+				http.Error(w, "unauthorized", http.StatusUnauthorized)
+				return
+			}
+			next.ServeHTTP(w, r.WithContext(idempotency.WithClient(r.Context(), account)))
+		})
+	}
+	log.Print(http.ListenAndServe(":8080", authenticate(mux)))
 	return
 }

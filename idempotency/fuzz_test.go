@@ -13,7 +13,7 @@ import (
 
 // FuzzFingerprint: a fingerprint is 32 bytes and depends on exactly the
 // fields it covers: two requests get the same fingerprint when, and only
-// when, their method, escaped path, body and (with FingerprintQuery) raw
+// when, their method, escaped path, body and (unless IgnoreQuery) raw
 // query are equal. Equal fingerprints for different fields would mean the
 // encoding is ambiguous (SHA-256 collisions aside), and a retry with another
 // body would replay the first request's response instead of answering 422.
@@ -69,7 +69,8 @@ func configInvalidFields(cfg Config) map[string]bool {
 	}
 	for _, h := range cfg.ReplayHeaders {
 		switch textproto.CanonicalMIMEHeaderKey(h) {
-		case "Content-Length", "Transfer-Encoding", "Connection", "Trailer", ReplayedHeader:
+		case "Content-Length", "Transfer-Encoding", "Connection", "Keep-Alive", "Proxy-Connection",
+			"Proxy-Authenticate", "Proxy-Authorization", "Te", "Trailer", "Upgrade", ReplayedHeader:
 			bad["ReplayHeaders"] = true
 		}
 		bad["ReplayHeaders"] = bad["ReplayHeaders"] || !tokenRE.MatchString(h)

@@ -42,6 +42,24 @@ const (
 	DefaultCleanupInterval  = time.Minute
 )
 
+// DefaultReplayHeaders returns the default of Config.ReplayHeaders: the
+// headers that describe the recorded body and the resource the request
+// created, none of which carries a credential or a hop-by-hop meaning.
+func DefaultReplayHeaders() []string {
+	return []string{
+		"Content-Type", "Content-Encoding", "Content-Language", "Content-Disposition", "Content-Location",
+		"Location", "ETag", "Last-Modified", "Link",
+	}
+}
+
+// notReplayable are the headers Config.ReplayHeaders refuses: framing and
+// hop-by-hop headers (RFC 9110 section 7.6.1), and the middleware's own.
+var notReplayable = map[string]bool{
+	"Content-Length": true, "Transfer-Encoding": true, "Connection": true, "Keep-Alive": true,
+	"Proxy-Connection": true, "Proxy-Authenticate": true, "Proxy-Authorization": true,
+	"Te": true, "Trailer": true, "Upgrade": true, ReplayedHeader: true,
+}
+
 // ReplayedHeader marks a response replayed from the table.
 const ReplayedHeader = "Idempotent-Replayed"
 
@@ -68,14 +86,25 @@ type Config struct {
 	// Methods lists the request methods the middleware applies to; requests
 	// with other methods pass through untouched. Default POST and PATCH.
 	Methods []string
-	// Scope maps a request to the namespace of its key, typically the
-	// authenticated client: two clients that send the same key then get
-	// independent requests. It runs after the handlers wrapped around the
-	// middleware (e.g. authentication). Default: one scope for everybody.
+	// Scope names the client a request comes from: the keys of two clients
+	// are independent, so two clients that pick the same key get two
+	// requests, and neither can ever be replayed the other's response. It
+	// runs after the handlers wrapped around the middleware (e.g.
+	// authentication) and must return a non-empty name; a keyed request
+	// it names no client for ("") is refused with 401 and does not run.
+	// Default: the client that the request's context names through
+	// [WithClient] (set by your authentication middleware).
 	Scope func(r *http.Request) string
-	// FingerprintQuery adds the raw query string to the request
-	// fingerprint. Default: method, path and body only.
-	FingerprintQuery bool
+	// GlobalScope puts every client's keys in one key space: two clients
+	// that send the same key and request get one effect, and the second
+	// gets the first one's response. Only for an API with a single client,
+	// or one whose clients share their keys on purpose. It excludes Scope.
+	// Default false: keys are per client (see Scope).
+	GlobalScope bool
+	// IgnoreQuery leaves the raw query string out of the request
+	// fingerprint, for APIs whose query never changes what a request does.
+	// Default false: a key reused with another query gets 422.
+	IgnoreQuery bool
 	// MaxBodyBytes bounds the request body read for the fingerprint; larger
 	// bodies get 413. Default 1 MiB.
 	MaxBodyBytes int64
@@ -83,9 +112,12 @@ type Config struct {
 	// beyond it the request is rolled back and answered 500. Default 1 MiB.
 	MaxResponseBytes int64
 	// ReplayHeaders lists the response headers recorded and replayed along
-	// with the status and body. Default Content-Type and Location.
-	// Content-Length is always derived from the body; framing headers
-	// (Connection, Transfer-Encoding, Trailer) are refused.
+	// with the status and body. Default [DefaultReplayHeaders]. Headers not
+	// listed reach the first client only; Set-Cookie in particular is
+	// replayed only when listed. Content-Length is always derived from the
+	// body; hop-by-hop headers (Connection, Keep-Alive, Proxy-*, TE,
+	// Trailer, Transfer-Encoding, Upgrade) are refused, and a header that
+	// the response's Connection header names is never recorded.
 	ReplayHeaders []string
 	// StoreStatus decides which final statuses are recorded. A response
 	// that is not recorded is not committed either: the handler's writes
@@ -158,6 +190,9 @@ func New(db DB, cfg Config) (*Middleware, error) {
 	if err := sqlident.ValidateSchema("idempotency: Config.Schema", cfg.Schema); err != nil {
 		return nil, err
 	}
+	if cfg.GlobalScope && cfg.Scope != nil {
+		return nil, errors.New("idempotency: Config.GlobalScope and Config.Scope are both set: keys are either per client (Scope) or shared by all clients (GlobalScope)")
+	}
 	cfg.Header = cmp.Or(cfg.Header, DefaultHeader)
 	if !validToken(cfg.Header) {
 		return nil, fmt.Errorf("idempotency: Config.Header: %q is not a valid header name", cfg.Header)
@@ -187,7 +222,7 @@ func New(db DB, cfg Config) (*Middleware, error) {
 	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
 	cfg.MaxResponseBytes = cmp.Or(cfg.MaxResponseBytes, DefaultMaxResponseBytes)
 	if cfg.ReplayHeaders == nil {
-		cfg.ReplayHeaders = []string{"Content-Type", "Location"}
+		cfg.ReplayHeaders = DefaultReplayHeaders()
 	}
 	replay := make(map[string]bool, len(cfg.ReplayHeaders))
 	for _, h := range cfg.ReplayHeaders {
@@ -195,9 +230,8 @@ func New(db DB, cfg Config) (*Middleware, error) {
 			return nil, fmt.Errorf("idempotency: Config.ReplayHeaders: %q is not a valid header name", h)
 		}
 		c := textproto.CanonicalMIMEHeaderKey(h)
-		switch c {
-		case "Content-Length", "Transfer-Encoding", "Connection", "Trailer", ReplayedHeader:
-			return nil, fmt.Errorf("idempotency: Config.ReplayHeaders: %s is set by the middleware or the server and cannot be replayed", c)
+		if notReplayable[c] {
+			return nil, fmt.Errorf("idempotency: Config.ReplayHeaders: %s is a hop-by-hop or framing header, or set by the middleware; it cannot be replayed", c)
 		}
 		replay[c] = true
 	}
@@ -352,13 +386,8 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		problem(w, http.StatusBadRequest, m.cfg.Header+": "+err.Error())
 		return
 	}
-	var scope string
-	if m.cfg.Scope != nil {
-		scope = m.cfg.Scope(r)
-	}
-	if err := checkScope(scope); err != nil {
-		m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: bad scope", "err", err)
-		problem(w, http.StatusInternalServerError, "the request was not processed")
+	scope, ok := m.scope(w, r)
+	if !ok {
 		return
 	}
 
@@ -376,9 +405,55 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 	r.ContentLength = int64(len(body))
-	fp := fingerprint(r.Method, r.URL.EscapedPath(), m.cfg.FingerprintQuery, r.URL.RawQuery, body)
+	fp := fingerprint(r.Method, r.URL.EscapedPath(), !m.cfg.IgnoreQuery, r.URL.RawQuery, body)
 
 	m.run(w, r, next, scope, key, fp)
+}
+
+// scope returns the key space of a keyed request, or answers it and returns
+// false: 401 when it names no client, 500 when the name cannot be stored.
+func (m *Middleware) scope(w http.ResponseWriter, r *http.Request) (string, bool) {
+	if m.cfg.GlobalScope {
+		return "", true
+	}
+	var scope string
+	if m.cfg.Scope != nil {
+		scope = m.cfg.Scope(r)
+	} else {
+		scope, _ = Client(r.Context())
+	}
+	if scope == "" {
+		how := "no idempotency.WithClient in the request context"
+		if m.cfg.Scope != nil {
+			how = "Config.Scope returned an empty name"
+		}
+		m.cfg.Logger.InfoContext(r.Context(), "oncely idempotency: keyed request refused: it names no client", "reason", how)
+		problem(w, http.StatusUnauthorized, "the request names no client, so its "+m.cfg.Header+" cannot be scoped; authenticate")
+		return "", false
+	}
+	if err := checkScope(scope); err != nil {
+		m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: bad scope", "err", err)
+		problem(w, http.StatusInternalServerError, "the request was not processed")
+		return "", false
+	}
+	return scope, true
+}
+
+type clientKey struct{}
+
+// WithClient returns ctx naming client as the sender of the request: the
+// middleware's default Config.Scope. Call it in your authentication
+// middleware, wrapped around the idempotency middleware, with the verified
+// principal (an account or API-key id, never a value the client chose
+// without proving it).
+func WithClient(ctx context.Context, client string) context.Context {
+	return context.WithValue(ctx, clientKey{}, client)
+}
+
+// Client returns the client that WithClient named in ctx.
+func Client(ctx context.Context) (string, bool) {
+	c, ok := ctx.Value(clientKey{}).(string)
+	return c, ok && c != ""
 }
 
 // run is the whole life of a keyed request, in one transaction:
@@ -496,7 +571,7 @@ func (m *Middleware) replayStored(w http.ResponseWriter, r *http.Request, tx pgx
 	case err != nil:
 		m.unavailable(w, r, "load response", err)
 	case !bytes.Equal(storedFP, fp):
-		problem(w, http.StatusUnprocessableEntity, "this "+m.cfg.Header+" was already used for a different request (method, path or body differ)")
+		problem(w, http.StatusUnprocessableEntity, "this "+m.cfg.Header+" was already used for a different request (method, path, query or body differ)")
 	case status == 0 || len(names) != len(values):
 		m.unavailable(w, r, "load response", fmt.Errorf("corrupt row: status %d, %d header names, %d values", status, len(names), len(values)))
 	default:

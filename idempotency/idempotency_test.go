@@ -103,11 +103,27 @@ func setupVia(t *testing.T, proxy *pgtest.PostgresProxy, cfg idempotency.Config,
 			mux.Handle(path, e.mw.Handler(h))
 		}
 	}
-	e.srv = httptest.NewUnstartedServer(mux)
+	e.srv = httptest.NewUnstartedServer(authenticate(mux))
 	e.srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the panic test's stack trace is expected
 	e.srv.Start()
 	t.Cleanup(e.srv.Close)
 	return e
+}
+
+// authenticate stands in for an authentication middleware: it names the
+// client of X-Client (default "client-1") with idempotency.WithClient; a
+// request with X-Anonymous names none.
+func authenticate(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("X-Anonymous") == "" {
+			client := r.Header.Get("X-Client")
+			if client == "" {
+				client = "client-1"
+			}
+			r = r.WithContext(idempotency.WithClient(r.Context(), client))
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 // orders is the test's "create an order" handler: it writes one effect row
@@ -455,15 +471,77 @@ func TestReplayIsByteForByte(t *testing.T) {
 	}
 }
 
+// TestReplayHeaders: by default the headers that describe the body and
+// the created resource are replayed, and Set-Cookie and unlisted headers
+// are not; Set-Cookie is replayed once listed; a header that the response's
+// Connection header names is hop-by-hop and never recorded, even if listed.
+func TestReplayHeaders(t *testing.T) {
+	t.Parallel()
+	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h := w.Header()
+		h.Set("Content-Type", "text/plain")
+		h.Set("Content-Language", "de")
+		h.Set("Location", "/orders/1")
+		h.Set("ETag", `"v1"`)
+		h.Set("Last-Modified", "Wed, 21 Oct 2015 07:28:00 GMT")
+		h.Add("Link", "</orders/1/items>; rel=items")
+		h.Set("Set-Cookie", "session="+uuid.NewString())
+		h.Set("X-Hop", "only-for-this-hop")
+		h.Set("Connection", "X-Hop")
+		h.Set("X-Run", uuid.NewString())
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "made")
+	})
+	for _, tc := range []struct {
+		name      string
+		cfg       idempotency.Config
+		replayed  []string
+		notReplay []string
+	}{
+		{"default", idempotency.Config{},
+			[]string{"Content-Type", "Content-Language", "Location", "Etag", "Last-Modified", "Link"},
+			[]string{"Set-Cookie", "X-Run", "X-Hop"}},
+		{"Set-Cookie listed", idempotency.Config{ReplayHeaders: []string{"Content-Type", "set-cookie", "X-Hop"}},
+			[]string{"Content-Type", "Set-Cookie"},
+			[]string{"Location", "X-Run", "X-Hop"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := setup(t, tc.cfg, map[string]http.Handler{"/h": handler})
+			key := uuid.NewString()
+			first := e.post("/h", key, "")
+			if first.status != http.StatusCreated || first.replayed() || first.header.Get("Set-Cookie") == "" {
+				t.Fatalf("first response %s: want a fresh 201 with every header", first)
+			}
+			again := e.post("/h", key, "")
+			if !again.replayed() || again.status != http.StatusCreated || string(again.body) != "made" {
+				t.Fatalf("want a replay, got %s", again)
+			}
+			for _, h := range tc.replayed {
+				if got, want := again.header.Values(h), first.header.Values(h); len(want) == 0 || !slices.Equal(got, want) {
+					t.Errorf("replayed %s = %q, want %q", h, got, want)
+				}
+			}
+			for _, h := range tc.notReplay {
+				if v := again.header.Values(h); len(v) > 0 {
+					t.Errorf("replay carries %s %q", h, v)
+				}
+			}
+		})
+	}
+}
+
 // TestOtherRequestSameKeyIs422: a key reused for a different method, path,
-// body (the raw bytes: JSON whitespace counts) or, when configured, query.
+// body (the raw bytes: JSON whitespace counts) or, unless IgnoreQuery is set,
+// query.
 func TestOtherRequestSameKeyIs422(t *testing.T) {
 	t.Parallel()
-	for _, withQuery := range []bool{false, true} {
-		t.Run(fmt.Sprintf("FingerprintQuery=%v", withQuery), func(t *testing.T) {
+	for _, ignore := range []bool{false, true} {
+		withQuery := !ignore
+		t.Run(fmt.Sprintf("IgnoreQuery=%v", ignore), func(t *testing.T) {
 			t.Parallel()
 			var e *env
-			e = setup(t, idempotency.Config{FingerprintQuery: withQuery}, map[string]http.Handler{
+			e = setup(t, idempotency.Config{IgnoreQuery: ignore}, map[string]http.Handler{
 				"/orders": http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { e.orders()(w, r) }),
 				"/other":  http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { e.orders()(w, r) }),
 			})
@@ -497,7 +575,10 @@ func TestOtherRequestSameKeyIs422(t *testing.T) {
 			}
 			r := e.post("/orders?x=2", key, `{"sku":"C","qty":1}`)
 			if withQuery && r.status != http.StatusUnprocessableEntity {
-				t.Errorf("other query with FingerprintQuery: got %s, want 422", r)
+				t.Errorf("other query: got %s, want 422", r)
+			}
+			if r := e.post("/orders", key, `{"sku":"C","qty":1}`); withQuery && r.status != http.StatusUnprocessableEntity {
+				t.Errorf("no query after ?x=1: got %s, want 422", r)
 			}
 			if !withQuery {
 				requireReplayOf(t, r, first)
@@ -507,6 +588,31 @@ func TestOtherRequestSameKeyIs422(t *testing.T) {
 				t.Errorf("%d effect rows, want 1", n)
 			}
 		})
+	}
+}
+
+// TestQueryIsPartOfTheFingerprintByDefault: with the default config, POST
+// /orders?x=1 under the key of an earlier POST /orders gets 422, never the
+// /orders response; the same query again replays.
+func TestQueryIsPartOfTheFingerprintByDefault(t *testing.T) {
+	t.Parallel()
+	e := setupOrders(t, idempotency.Config{})
+	key := uuid.NewString()
+	first := e.post("/orders", key, "{}")
+	requireCreated(t, first)
+	if r := e.post("/orders?x=1", key, "{}"); r.status != http.StatusUnprocessableEntity || r.replayed() {
+		t.Fatalf("POST /orders?x=1 with the key of POST /orders: got %s, want 422", r)
+	}
+	requireReplayOf(t, e.post("/orders", key, "{}"), first)
+	other := uuid.NewString()
+	withQuery := e.post("/orders?x=1", other, "{}")
+	requireCreated(t, withQuery)
+	requireReplayOf(t, e.post("/orders?x=1", other, "{}"), withQuery)
+	if r := e.post("/orders?x=2", other, "{}"); r.status != http.StatusUnprocessableEntity {
+		t.Fatalf("other query: got %s, want 422", r)
+	}
+	if n := e.effectsFor(key) + e.effectsFor(other); n != 2 {
+		t.Errorf("%d effect rows, want 2", n)
 	}
 }
 
@@ -959,6 +1065,46 @@ func TestScopeIsolation(t *testing.T) {
 	}
 }
 
+// TestClientsAreIndependentByDefault: with the default config, the key
+// space is the client that the request's context names (WithClient): two
+// clients with the same key and body get two runs, each replayed to its own
+// client only; a keyed request that names no client is refused with 401
+// before the handler runs. GlobalScope is the explicit opt-in to one shared
+// key space.
+func TestClientsAreIndependentByDefault(t *testing.T) {
+	t.Parallel()
+	e := setupOrders(t, idempotency.Config{})
+	key := uuid.NewString()
+	a := e.post("/orders", key, "{}", "X-Client", "alice")
+	b := e.post("/orders", key, "{}", "X-Client", "bob")
+	requireCreated(t, a)
+	requireCreated(t, b)
+	if bytes.Equal(a.body, b.body) {
+		t.Fatal("two clients with one key got the same run")
+	}
+	requireReplayOf(t, e.post("/orders", key, "{}", "X-Client", "alice"), a)
+	requireReplayOf(t, e.post("/orders", key, "{}", "X-Client", "bob"), b)
+	if n := e.effectsFor(key); n != 2 {
+		t.Errorf("%d effect rows for two clients, want 2", n)
+	}
+	anon := e.post("/orders", uuid.NewString(), "{}", "X-Anonymous", "1")
+	if anon.status != http.StatusUnauthorized || anon.header.Get("Content-Type") != "application/problem+json" {
+		t.Fatalf("keyed request naming no client: %s, want 401 problem", anon)
+	}
+	if n := e.count(e.effects, "true"); n != 2 {
+		t.Errorf("the refused request ran the handler: %d effect rows, want 2", n)
+	}
+
+	g := setupOrders(t, idempotency.Config{GlobalScope: true})
+	first := g.post("/orders", key, "{}", "X-Client", "alice")
+	requireCreated(t, first)
+	requireReplayOf(t, g.post("/orders", key, "{}", "X-Client", "bob"), first)
+	requireReplayOf(t, g.post("/orders", key, "{}", "X-Anonymous", "1"), first)
+	if n := g.effectsFor(key); n != 1 {
+		t.Errorf("GlobalScope: %d effect rows, want 1", n)
+	}
+}
+
 // TestExpiredKeyIsFree: once its TTL has passed (by database time), a key
 // runs afresh, even for another request, before cleanup deleted its row.
 func TestExpiredKeyIsFree(t *testing.T) {
@@ -1082,6 +1228,11 @@ func TestNewValidates(t *testing.T) {
 		{idempotency.Config{ReplayHeaders: []string{"Bad Header"}}, "Config.ReplayHeaders"},
 		{idempotency.Config{ReplayHeaders: []string{"content-length"}}, "Config.ReplayHeaders"},
 		{idempotency.Config{ReplayHeaders: []string{"Idempotent-Replayed"}}, "Config.ReplayHeaders"},
+		{idempotency.Config{ReplayHeaders: []string{"keep-alive"}}, "Config.ReplayHeaders"},
+		{idempotency.Config{ReplayHeaders: []string{"Upgrade"}}, "Config.ReplayHeaders"},
+		{idempotency.Config{ReplayHeaders: []string{"TE"}}, "Config.ReplayHeaders"},
+		{idempotency.Config{ReplayHeaders: []string{"Proxy-Authenticate"}}, "Config.ReplayHeaders"},
+		{idempotency.Config{GlobalScope: true, Scope: func(*http.Request) string { return "x" }}, "Config.GlobalScope"},
 		{idempotency.Config{TTL: -time.Hour}, "Config.TTL"},
 		{idempotency.Config{TTL: time.Millisecond}, "Config.TTL"},
 		{idempotency.Config{RetryAfter: -time.Second}, "Config.RetryAfter"},
@@ -1138,7 +1289,7 @@ func TestLockTimeoutIs409(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	mw, err := idempotency.New(pool, idempotency.Config{Schema: e.db.Schema})
+	mw, err := idempotency.New(pool, idempotency.Config{Schema: e.db.Schema, GlobalScope: true})
 	if err != nil {
 		t.Fatal(err)
 	}

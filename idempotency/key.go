@@ -121,16 +121,18 @@ func checkScope(scope string) error {
 const fingerprintVersion = "oncely.idempotency.fingerprint.v1"
 
 // fingerprint identifies a request's content: SHA-256 over the method, the
-// escaped path, the raw query when withQuery is set, and the SHA-256 of the
-// raw body bytes exactly as received (never re-serialised: two JSON bodies
-// that differ only in whitespace or key order are different requests).
-// Fields are length-prefixed, so no two field lists hash alike.
+// escaped path, the raw query when withQuery is set and the query is not
+// empty, and the SHA-256 of the raw body bytes exactly as received (never
+// re-serialised: two JSON bodies that differ only in whitespace or key order
+// are different requests). Fields are length-prefixed, so no two field lists
+// hash alike; a request without a query hashes as it did before the query
+// was covered, so its recorded rows still match.
 func fingerprint(method, escapedPath string, withQuery bool, rawQuery string, body []byte) []byte {
 	h := sha256.New()
 	field(h, fingerprintVersion)
 	field(h, method)
 	field(h, escapedPath)
-	if withQuery {
+	if withQuery && rawQuery != "" {
 		field(h, "?"+rawQuery)
 	}
 	sum := sha256.Sum256(body)

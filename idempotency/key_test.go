@@ -101,13 +101,17 @@ func TestFingerprint(t *testing.T) {
 		t.Fatalf("fingerprint is %d bytes, want 32", len(base))
 	}
 	if again := fingerprint("POST", "/orders", false, "x=1", []byte(`{"a":1}`)); !bytes.Equal(again, base) {
-		t.Error("the query changed the fingerprint although FingerprintQuery is off")
+		t.Error("the query changed the fingerprint although IgnoreQuery is set")
+	}
+	// A request without a query hashes as before the query was covered,
+	// so keys recorded by an older version still replay.
+	if noQuery := fingerprint("POST", "/orders", true, "", []byte(`{"a":1}`)); !bytes.Equal(noQuery, base) {
+		t.Error("an empty query changed the fingerprint")
 	}
 	for name, fp := range map[string][]byte{
 		"method":                fingerprint("PATCH", "/orders", false, "", []byte(`{"a":1}`)),
 		"path":                  fingerprint("POST", "/orders/", false, "", []byte(`{"a":1}`)),
 		"JSON whitespace":       fingerprint("POST", "/orders", false, "", []byte(`{"a": 1}`)),
-		"empty query included":  fingerprint("POST", "/orders", true, "", []byte(`{"a":1}`)),
 		"query":                 fingerprint("POST", "/orders", true, "x=1", []byte(`{"a":1}`)),
 		"field boundary (path)": fingerprint("POS", "T/orders", false, "", []byte(`{"a":1}`)),
 	} {

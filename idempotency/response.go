@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/textproto"
 	"slices"
 	"strconv"
+	"strings"
 )
 
 // ErrResponseTooLarge is returned by the recorder's Write once a handler's
@@ -81,9 +83,15 @@ func (rw *recorder) finish() {
 // selected returns the headers to record, in a stable order: one (name,
 // value) pair per value of every header in allow.
 func (rw *recorder) selected(allow map[string]bool) (names, values []string) {
+	hop := map[string]bool{} // headers the response's Connection header names: hop-by-hop
+	for _, v := range rw.sent.Values("Connection") {
+		for _, name := range strings.Split(v, ",") {
+			hop[textproto.CanonicalMIMEHeaderKey(strings.TrimSpace(name))] = true
+		}
+	}
 	keys := make([]string, 0, len(allow))
 	for k := range rw.sent {
-		if allow[k] {
+		if allow[k] && !hop[k] {
 			keys = append(keys, k)
 		}
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -74,7 +75,7 @@ func newHTTPAPI(cfg workerConfig, r *oncely.Runner, log *slog.Logger) (*httpAPI,
 	if a.keys, err = r.Idempotency(idempotency.Config{}); err != nil {
 		return nil, err
 	}
-	a.orders = testhalt.Wrap(cfg.testHalt, a.keys.Require, &ordersHandler{outbox: r.Outbox(), topic: cfg.Topic, log: log}, log)
+	a.orders = nameClient(testhalt.Wrap(cfg.testHalt, a.keys.Require, &ordersHandler{outbox: r.Outbox(), topic: cfg.Topic, log: log}, log))
 	return a, nil
 }
 
@@ -93,6 +94,18 @@ func (a *httpAPI) register(mux *http.ServeMux, ready func() bool) {
 	}
 	mux.Handle(webhookPath, gate(a.webhook)) // the receiver answers other methods 405 itself
 	mux.Handle("POST "+ordersPath, gate(a.orders))
+}
+
+// nameClient names the client of a POST /orders, whose Idempotency-Keys
+// are its own (idempotency.WithClient; two clients may pick the same key).
+// This example has no authentication, so the client is the X-Client-Id
+// header, or "anonymous"; a real service names the principal its
+// authentication middleware verified (an account or API-key id).
+func nameClient(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		client := cmp.Or(r.Header.Get("X-Client-Id"), "anonymous")
+		next.ServeHTTP(w, r.WithContext(idempotency.WithClient(r.Context(), client)))
+	})
 }
 
 // webhookKey is the Kafka key of a webhook delivery: the order's customer,
@@ -128,7 +141,7 @@ type orderReceipt struct {
 func (h *ordersHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	tx, ok := idempotency.Tx(ctx)
-	_, key, _ := idempotency.Key(ctx)
+	client, key, _ := idempotency.Key(ctx)
 	if !ok { // cannot happen behind Require, which refuses requests without a key
 		writeProblem(w, http.StatusInternalServerError, "the request has no idempotency transaction")
 		return
@@ -149,7 +162,7 @@ func (h *ordersHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, http.StatusInternalServerError, "could not encode the order")
 		return
 	}
-	id := apiMessageID(key, value)
+	id := apiMessageID(client, key, value)
 	out, err := h.outbox.Enqueue(ctx, tx, outbox.Message{
 		ID:      id,
 		Topic:   h.topic,
@@ -175,17 +188,20 @@ func (h *ordersHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // apiMessageID is the message id of an order from POST /orders: the
-// Idempotency-Key and a hash of the order. It is the same on every run of a
-// request with that key (a fresh run after a crash that rolled the first one
-// back publishes the same id, so the consumer's inbox would dedup even a
-// second enqueue). The hash keeps a key that is reused for another order once
-// its row expired (after the middleware's TTL) from mapping to an id the
-// inbox still holds, which would accept the order and then skip it. Keys are
-// not scoped per client here; with idempotency.Config.Scope set, the scope
-// would have to be part of the id as well.
-func apiMessageID(key string, value []byte) string {
-	sum := sha256.Sum256(value)
-	return apiIDPrefix + key + ":" + hex.EncodeToString(sum[:8])
+// Idempotency-Key and a hash of the client and the order. It is the same on
+// every run of a request with that key (a fresh run after a crash that
+// rolled the first one back publishes the same id, so the consumer's inbox
+// would dedup even a second enqueue). The client keeps two clients' equal
+// keys apart, as the middleware does; the order keeps a key that is reused
+// for another order once its row expired (after the middleware's TTL) from
+// mapping to an id the inbox still holds, which would accept the order and
+// then skip it.
+func apiMessageID(client, key string, value []byte) string {
+	h := sha256.New()
+	h.Write([]byte(client))
+	h.Write([]byte{0})
+	h.Write(value)
+	return apiIDPrefix + key + ":" + hex.EncodeToString(h.Sum(nil)[:8])
 }
 
 // decodeOrder reads an order as the consumer does (unknown fields are an
