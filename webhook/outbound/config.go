@@ -114,10 +114,12 @@ type DispatcherConfig struct {
 	Breaker BreakerConfig
 
 	// AllowNetworks lists address ranges that may be dialled although they
-	// are loopback, private, link-local, CGNAT, multicast, unspecified or
-	// reserved, which are refused by default (checked on the resolved
-	// address at dial time). For tests (127.0.0.0/8) and deliberate
-	// internal endpoints. Default: none.
+	// are loopback, private, link-local, CGNAT, multicast, unspecified,
+	// reserved or documentation addresses, or embed one, which are refused
+	// by default (checked on the resolved address at dial time). For tests
+	// (127.0.0.0/8) and deliberate internal endpoints. A cloud metadata or
+	// platform address (169.254.169.254, 168.63.129.16, ...) opens only when
+	// it is listed as a single address (/32, /128). Default: none.
 	AllowNetworks []netip.Prefix
 	// TLSClientConfig is used for https endpoints. Default: Go's defaults
 	// (system roots, TLS 1.2+).

@@ -372,11 +372,14 @@ func TestRefusesInternalAddresses(t *testing.T) {
 		t.Fatal(err)
 	}
 	cases := map[string]string{ // URL -> expected reason
-		ep.URL():                                   "loopback",
-		"http://localhost:" + port + "/hook":       "loopback",
-		"http://169.254.169.254/latest/meta-data/": "link-local",
-		"http://[::ffff:169.254.169.254]/latest":   "link-local",
-		"http://10.0.0.1:1/":                       "private",
+		ep.URL():                                    "loopback",
+		"http://localhost:" + port + "/hook":        "loopback",
+		"http://169.254.169.254/latest/meta-data/":  "cloud metadata",
+		"http://[::ffff:169.254.169.254]/latest":    "cloud metadata",
+		"http://10.0.0.1:1/":                        "private",
+		"http://[::127.0.0.1]:" + port + "/hook":    "loopback", // IPv4-compatible
+		"http://[::ffff:0:127.0.0.1]:" + port + "/": "loopback", // IPv4-translated
+		"http://168.63.129.16/machine":              "Azure WireServer",
 	}
 	ids := map[string]string{}
 	for u := range cases {

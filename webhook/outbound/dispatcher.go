@@ -470,7 +470,7 @@ func (d *Dispatcher) attempt(workCtx context.Context, j *job) {
 // send makes the HTTP request of one attempt.
 func (d *Dispatcher) send(ctx context.Context, j *job) (res result) {
 	if err := ValidateURL(j.url); err != nil {
-		return result{err: err}
+		return result{err: &configError{err}} // changed since it was stored: never worth a retry
 	}
 	keys, err := decodeSecrets(j.secrets)
 	if err != nil {
@@ -511,6 +511,10 @@ func (d *Dispatcher) send(ctx context.Context, j *job) (res result) {
 	start := time.Now()
 	resp, err := d.client.Do(req)
 	if err != nil {
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			ue.URL = RedactURL(j.url) // net/http hides the password only
+		}
 		return result{err: err, duration: time.Since(start)}
 	}
 	defer resp.Body.Close()
@@ -526,9 +530,10 @@ func (e *configError) Unwrap() error { return e.err }
 
 func errorType(err error) string {
 	var ae *AddressError
+	var he *HostError
 	var ce *configError
 	switch {
-	case errors.As(err, &ae):
+	case errors.As(err, &ae), errors.As(err, &he):
 		return "address_refused"
 	case errors.As(err, &ce), errors.Is(err, ErrScheme):
 		return "config"

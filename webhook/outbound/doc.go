@@ -131,15 +131,36 @@
 // # Address safety
 //
 // By default the dispatcher refuses to connect to loopback, private (RFC
-// 1918, IPv6 unique local), link-local (including the 169.254.169.254 cloud
-// metadata address), carrier-grade NAT, multicast, unspecified and reserved
-// addresses, including such addresses inside IPv4-mapped, NAT64 and 6to4 IPv6
-// addresses. The check runs in net.Dialer.Control on the address actually
-// being dialled, after name resolution, so a host name that resolves to an
-// internal address, or changes its answer between a check and the connection
-// (DNS rebinding), is refused all the same. Environment proxies are not used
-// and redirects are not followed. DispatcherConfig.AllowNetworks opens
-// chosen ranges, for tests and deliberate internal endpoints.
+// 1918, IPv6 unique local), link-local, carrier-grade NAT, multicast,
+// unspecified, reserved and documentation addresses. An IPv6 address that
+// embeds an IPv4 address is judged by the IPv4 address: IPv4-mapped
+// (::ffff:a.b.c.d), IPv4-compatible (::a.b.c.d), IPv4-translated
+// (::ffff:0:a.b.c.d), NAT64 (64:ff9b::/96, 64:ff9b:1::/48), 6to4 (2002::/16),
+// Teredo (2001::/32) and ISATAP; the forms no public endpoint uses
+// (compatible, translated, local-use NAT64, Teredo) are refused whatever they
+// embed. The cloud metadata and platform endpoints (169.254.169.254,
+// 169.254.170.2, fd00:ec2::254, fd20:ce::254, 168.63.129.16, 100.100.100.200,
+// 192.0.0.192 and others) are refused even inside an allow-listed range, and
+// their names (metadata.google.internal, instance-data.ec2.internal, ...) are
+// refused before they are resolved. The address check runs in
+// net.Dialer.Control on the address actually being dialled, after name
+// resolution, so a host name that resolves to an internal address, or
+// changes its answer between a check and the connection (DNS rebinding), is
+// refused all the same. Environment proxies are not used and redirects are
+// not followed. DispatcherConfig.AllowNetworks opens chosen ranges, for tests
+// and deliberate internal endpoints; a metadata address opens only when it
+// is listed as a single address.
+//
+// # Credentials in endpoint URLs
+//
+// A subscription URL may carry credentials the endpoint needs
+// (https://user:password@host/..., or a token in the query). They are stored
+// as given, since every request needs them, and never shown: errors,
+// last_error, log lines, spans, Subscription's String and LogValue and the
+// oncely CLI show the URL through [RedactURL], which replaces the userinfo and
+// the values of credential query parameters (token, key, sig, secret,
+// password, signature, X-Amz-Credential, ...) with REDACTED. A credential in
+// the path is not recognised: prefer the query or userinfo for one.
 //
 // # Metrics
 //

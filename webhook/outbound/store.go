@@ -199,6 +199,8 @@ type Subscription struct {
 	ID uuid.UUID // assigned by CreateSubscription
 	// URL is the endpoint, http or https. Required. Where it may point is
 	// checked when each request is sent (see DispatcherConfig.AllowNetworks).
+	// Credentials in it (user:password@, a token in the query) are stored
+	// and sent, and never shown: see RedactURL.
 	URL string
 	// Secrets sign every request (Standard Webhooks, "whsec_" + base64 of
 	// 24 to 64 random bytes), one v1 signature per secret. Empty on
@@ -379,26 +381,31 @@ func scanSubscription(row pgx.Row) (Subscription, error) {
 }
 
 // ValidateURL accepts absolute http and https URLs with a host and no
-// fragment. It does not resolve the host: the address is checked when each
-// request is dialled.
+// fragment, whose host is not the name of a cloud metadata endpoint
+// (*HostError). It does not resolve the host: the address is checked when
+// each request is dialled. Its errors never quote a credential of the URL.
 func ValidateURL(raw string) error {
 	if len(raw) > MaxURLLen {
 		return fmt.Errorf("URL of %d bytes exceeds %d", len(raw), MaxURLLen)
 	}
 	u, err := url.Parse(raw)
 	if err != nil {
-		return err
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err // without the URL, which may hold a credential
+		}
+		return fmt.Errorf("URL does not parse: %w", err)
 	}
 	if u.Scheme != "http" && u.Scheme != "https" {
 		return fmt.Errorf("%w: %q (want http or https)", ErrScheme, u.Scheme)
 	}
 	if u.Hostname() == "" {
-		return fmt.Errorf("URL %q has no host", raw)
+		return fmt.Errorf("URL %q has no host", RedactURL(raw))
 	}
 	if u.Fragment != "" {
-		return fmt.Errorf("URL %q has a fragment", raw)
+		return fmt.Errorf("URL %q has a fragment", RedactURL(raw))
 	}
-	return nil
+	return checkHost(u.Hostname())
 }
 
 func validateEventTypes(types []string) error {

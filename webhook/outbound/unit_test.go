@@ -2,6 +2,8 @@ package outbound
 
 import (
 	"errors"
+	"fmt"
+	"log/slog"
 	"net/http"
 	"net/netip"
 	"strings"
@@ -134,8 +136,8 @@ func TestGuard(t *testing.T) {
 		{"127.8.9.10", "loopback"},
 		{"::1", "loopback"},
 		{"::ffff:127.0.0.1", "loopback"}, // IPv4-mapped
-		{"169.254.169.254", "link-local"},
-		{"fd00:ec2::254", "unique local"}, // AWS IMDS over IPv6
+		{"169.254.169.253", "link-local"},
+		{"fd00:ec2::1", "unique local"},
 		{"10.1.2.3", "private"},
 		{"172.16.0.1", "private"},
 		{"172.31.255.255", "private"},
@@ -150,14 +152,52 @@ func TestGuard(t *testing.T) {
 		{"100.64.0.1", "carrier-grade NAT"},
 		{"100.127.255.254", "carrier-grade NAT"},
 		{"255.255.255.255", "reserved"},
-		{"64:ff9b::a9fe:a9fe", "link-local"}, // NAT64 of 169.254.169.254
-		{"2002:7f00:1::1", "loopback"},       // 6to4 of 127.0.0.1
+		{"64:ff9b::a9fe:a9fe", "cloud metadata"}, // NAT64 of 169.254.169.254
+		{"64:ff9b::a9fe:1", "link-local"},        // NAT64 of 169.254.0.1
+		{"2002:7f00:1::1", "loopback"},           // 6to4 of 127.0.0.1
 		{"8.8.8.8", ""},
 		{"1.1.1.1", ""},
 		{"172.32.0.1", ""},  // just outside 172.16/12
 		{"100.128.0.1", ""}, // just outside 100.64/10
 		{"2606:4700:4700::1111", ""},
 		{"64:ff9b::808:808", ""}, // NAT64 of 8.8.8.8
+
+		// Every IPv6 form that embeds an IPv4 address is judged by it.
+		{"::ffff:10.0.0.1", "private"},                       // IPv4-mapped
+		{"::ffff:169.254.169.254", "cloud metadata"},         // IPv4-mapped metadata
+		{"::127.0.0.1", "loopback"},                          // IPv4-compatible
+		{"::10.1.2.3", "private"},                            // IPv4-compatible
+		{"::a9fe:a9fe", "cloud metadata"},                    // IPv4-compatible 169.254.169.254
+		{"::8.8.8.8", "IPv4-compatible"},                     // deprecated form: refused whatever it embeds
+		{"::ffff:0:127.0.0.1", "loopback"},                   // IPv4-translated (SIIT)
+		{"::ffff:0:8.8.8.8", "IPv4-translated"},              // refused whatever it embeds
+		{"64:ff9b::127.0.0.1", "loopback"},                   // NAT64
+		{"64:ff9b::10.0.0.1", "private"},                     // NAT64
+		{"64:ff9b::100.100.100.200", "Alibaba"},              // NAT64 metadata
+		{"64:ff9b:1:7f00:0:100::", "loopback"},               // local-use NAT64 /48 of 127.0.0.1
+		{"64:ff9b:1:808:8:800::", "local-use NAT64"},         // local-use NAT64 of 8.8.8.8: refused
+		{"2002:a9fe:a9fe::1", "cloud metadata"},              // 6to4 of 169.254.169.254
+		{"2002:c0a8:101::1", "private"},                      // 6to4 of 192.168.1.1
+		{"2002:0a00:0001::", "private"},                      // 6to4 of 10.0.0.1
+		{"2002:808:808::1", ""},                              // 6to4 of 8.8.8.8
+		{"2001:0:4136:e378:8000:63bf:80ff:fffe", "loopback"}, // Teredo, client 127.0.0.1
+		{"2001:0:4136:e378:8000:63bf:3fff:fdd2", "Teredo"},   // Teredo of a public client
+		{"2001:db8::5efe:a00:1", "private"},                  // ISATAP of 10.0.0.1 (under a documentation prefix)
+		{"2606:4700::5efe:7f00:1", "loopback"},               // ISATAP of 127.0.0.1
+		{"2606:4700::200:5efe:a9fe:a9fe", "cloud metadata"},  // ISATAP, universal bit set
+
+		// Cloud metadata and platform addresses.
+		{"169.254.169.254", "cloud metadata"},
+		{"169.254.170.2", "ECS"},
+		{"fd00:ec2::254", "AWS IMDS over IPv6"},
+		{"fd20:ce::254", "GCP"},
+		{"168.63.129.16", "Azure"},
+		{"100.100.100.200", "Alibaba"},
+		{"192.0.0.192", "Oracle"},
+		{"169.254.0.23", "Tencent"},
+		{"192.0.2.1", "documentation"},
+		{"2001:db8::1", "documentation"},
+		{"100::1", "discard"},
 	} {
 		err := deny.check(netip.MustParseAddr(tc.addr))
 		if tc.reason == "" {
@@ -182,6 +222,34 @@ func TestGuard(t *testing.T) {
 		if err := allow.check(netip.MustParseAddr(a)); err == nil {
 			t.Errorf("%s allowed by an allow-list that does not contain it", a)
 		}
+	}
+	// A metadata address stays closed inside an allow-listed range; only
+	// the single address opens it.
+	wide := guard{allow: []netip.Prefix{netip.MustParsePrefix("169.254.0.0/16"), netip.MustParsePrefix("168.63.0.0/16"),
+		netip.MustParsePrefix("64:ff9b::/96")}}
+	for _, a := range []string{"169.254.169.254", "168.63.129.16", "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe"} {
+		if err := wide.check(netip.MustParseAddr(a)); err == nil {
+			t.Errorf("metadata address %s allowed by a range that contains it", a)
+		}
+	}
+	if err := wide.check(netip.MustParseAddr("169.254.1.1")); err != nil {
+		t.Errorf("allow-listed link-local 169.254.1.1 refused: %v", err)
+	}
+	exact := guard{allow: []netip.Prefix{netip.MustParsePrefix("168.63.129.16/32")}}
+	if err := exact.check(netip.MustParseAddr("168.63.129.16")); err != nil {
+		t.Errorf("metadata address listed as a single address refused: %v", err)
+	}
+	// metadata.google.internal and its kind are refused by name, before
+	// resolution; what they resolve to (169.254.169.254) by address.
+	for _, host := range []string{"metadata.google.internal", "METADATA.GOOGLE.INTERNAL.", "metadata", "instance-data.ec2.internal", "metadata.tencentyun.com"} {
+		err := ValidateURL("http://" + host + "/computeMetadata/v1/")
+		var he *HostError
+		if !errors.As(err, &he) {
+			t.Errorf("ValidateURL(http://%s/) = %v, want a HostError", host, err)
+		}
+	}
+	if err := deny.control("tcp4", "169.254.169.254:80", nil); err == nil {
+		t.Error("control allowed the address metadata.google.internal resolves to")
 	}
 	// The dial-time hook parses the resolved address.
 	if err := deny.control("tcp4", "169.254.169.254:80", nil); err == nil {
@@ -407,4 +475,120 @@ func TestDispatcherConfigValidation(t *testing.T) {
 	if _, err := NewStore(Config{Schema: "Bad-Name"}); err == nil || !strings.Contains(err.Error(), "Config.Schema") {
 		t.Errorf("NewStore with a bad schema: %v", err)
 	}
+}
+
+// FuzzGuard: whatever the address, check never panics; an IPv4 address and
+// every IPv6 form that embeds it (mapped, compatible, translated, NAT64,
+// 6to4) are refused alike whenever the IPv4 address is refused; and a
+// metadata address is refused by a guard that allows everything else.
+func FuzzGuard(f *testing.F) {
+	for _, seed := range []string{
+		"127.0.0.1", "10.0.0.1", "169.254.169.254", "168.63.129.16", "100.100.100.200", "192.0.0.192", "8.8.8.8",
+		"::ffff:127.0.0.1", "::127.0.0.1", "::ffff:0:127.0.0.1", "64:ff9b::7f00:1", "64:ff9b:1:7f00:0:100::",
+		"2002:7f00:1::", "2001:0:4136:e378:8000:63bf:80ff:fffe", "fd00:ec2::254", "2606:4700::5efe:7f00:1",
+	} {
+		b := netip.MustParseAddr(seed).As16()
+		f.Add(b[:])
+	}
+	deny := guard{}
+	everything := guard{allow: []netip.Prefix{netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("::/0")}}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if len(b) != 16 {
+			return
+		}
+		a := netip.AddrFrom16([16]byte(b))
+		_ = deny.check(a)
+		// The IPv4 address in the last four bytes, in every embedding form.
+		v4 := netip.AddrFrom4([4]byte(b[12:]))
+		refused := deny.check(v4) != nil
+		b4 := v4.As4()
+		for _, form := range []netip.Addr{
+			netip.AddrFrom16([16]byte{10: 0xff, 11: 0xff, 12: b4[0], 13: b4[1], 14: b4[2], 15: b4[3]}),        // mapped
+			netip.AddrFrom16([16]byte{12: b4[0], 13: b4[1], 14: b4[2], 15: b4[3]}),                            // compatible
+			netip.AddrFrom16([16]byte{8: 0xff, 9: 0xff, 12: b4[0], 13: b4[1], 14: b4[2], 15: b4[3]}),          // translated
+			netip.AddrFrom16([16]byte{1: 0x64, 2: 0xff, 3: 0x9b, 12: b4[0], 13: b4[1], 14: b4[2], 15: b4[3]}), // NAT64
+			netip.AddrFrom16([16]byte{0: 0x20, 1: 0x02, 2: b4[0], 3: b4[1], 4: b4[2], 5: b4[3], 15: 1}),       // 6to4
+		} {
+			if refused && deny.check(form) == nil {
+				t.Fatalf("%s is refused but %s, which embeds it, is allowed", v4, form)
+			}
+		}
+		if _, meta := metadata[v4]; meta && everything.check(v4) == nil {
+			t.Fatalf("metadata address %s allowed by an allow-everything list", v4)
+		}
+	})
+}
+
+// TestCredentialsNeverShown: RedactURL hides userinfo and credential query
+// parameters and keeps the rest; Subscription's String, GoString and
+// LogValue, ValidateURL's errors and a failed attempt's last_error never
+// show a credential of the URL, although the request is sent to it.
+func TestCredentialsNeverShown(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ in, want string }{
+		{"https://example.com/hooks?x=1", "https://example.com/hooks?x=1"},
+		{"https://alice:s3cr3t@example.com/hooks", "https://REDACTED@example.com/hooks"},
+		{"https://tok3n@example.com/hooks", "https://REDACTED@example.com/hooks"},
+		{"https://example.com/h?token=abc&x=1&api_key=def&Access_Token=ghi", "https://example.com/h?token=REDACTED&x=1&api_key=REDACTED&Access_Token=REDACTED"},
+		{"https://example.com/h?X-Amz-Credential=AKIA&X-Amz-Signature=ff&sig=zz&key=k&client_secret=c", "https://example.com/h?X-Amz-Credential=REDACTED&X-Amz-Signature=REDACTED&sig=REDACTED&key=REDACTED&client_secret=REDACTED"},
+		{"https://example.com/h?password=p%20w&flag", "https://example.com/h?password=REDACTED&flag"},
+		{"https://u:p@exa mple.com/%zz", "(a URL that does not parse, 28 bytes)"},
+	} {
+		if got := RedactURL(tc.in); got != tc.want {
+			t.Errorf("RedactURL(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+	}
+
+	const secretURL = "http://alice:pw-SECRET1@127.0.0.1:1/hooks?token=SECRET2&x=1"
+	leaks := func(what, s string) {
+		t.Helper()
+		for _, secret := range []string{"alice", "SECRET1", "SECRET2", "whsec_SECRET3"} {
+			if strings.Contains(s, secret) {
+				t.Errorf("%s shows %q: %s", what, secret, s)
+			}
+		}
+	}
+	sub := Subscription{URL: secretURL, Secrets: []string{"whsec_SECRET3"}, EventTypes: []string{"order.*"}}
+	var logs strings.Builder
+	slog.New(slog.NewTextHandler(&logs, nil)).Info("sub", "sub", sub)
+	for what, s := range map[string]string{
+		"%v": fmt.Sprintf("%v", sub), "%+v": fmt.Sprintf("%+v", sub), "%#v": fmt.Sprintf("%#v", sub), "%s": fmt.Sprint(sub),
+		"%v of a pointer": fmt.Sprintf("%v", &sub), "an Overview": fmt.Sprintf("%+v", Overview{Subscription: sub}), "slog": logs.String(),
+	} {
+		leaks(what, s)
+		if !strings.Contains(s, "127.0.0.1") {
+			t.Errorf("%s does not show the endpoint: %s", what, s)
+		}
+	}
+	for _, bad := range []string{"http://alice:pw-SECRET1@/hooks?token=SECRET2", "http://alice:pw-SECRET1@h/x?token=SECRET2#frag", "http://alice:pw-SECRET1@h/%zz?token=SECRET2"} {
+		err := ValidateURL(bad)
+		if err == nil {
+			t.Fatalf("ValidateURL(%q) accepted it", bad)
+		}
+		leaks("ValidateURL's error", err.Error())
+	}
+
+	// The attempt fails to connect (nothing listens on port 1); its error,
+	// recorded as last_error and logged, names the endpoint redacted.
+	d := testDispatcher(t, func(c *DispatcherConfig) {
+		c.AllowNetworks = []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}
+	})
+	res := d.send(t.Context(), &job{url: secretURL, secrets: []string{mustSecret(t)}, webhookID: "msg_1", attempt: 1})
+	if res.err == nil {
+		t.Fatal("an attempt to a closed port succeeded")
+	}
+	dec := d.decide(&job{attempt: 1}, res, false, time.Now())
+	leaks("last_error", dec.lastError)
+	if !strings.Contains(dec.lastError, "REDACTED") {
+		t.Errorf("last_error %q does not name the endpoint", dec.lastError)
+	}
+}
+
+func mustSecret(t *testing.T) string {
+	t.Helper()
+	s, err := NewSecret()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
