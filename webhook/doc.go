@@ -12,6 +12,9 @@
 //     tolerance in both directions (default 5 minutes). Nothing parses the
 //     body before the signature is verified. A refusal is answered 401 (or
 //     the status of the verifier's [*Error]) and writes nothing anywhere.
+//     Its body names the reason alone ("webhook: no signature matches"):
+//     never a header value, the number of secrets tried or the clock skew.
+//     Those details go to Config.Logger, at Info.
 //  4. Enqueues the raw body through the outbox (package outbox) to
 //     Config.Topic, in one Postgres transaction of its own, with the
 //     provider's delivery id as the message id.

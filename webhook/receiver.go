@@ -129,12 +129,12 @@ func (rc *Receiver) Stats() Stats {
 func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodPost {
 		w.Header().Set("Allow", http.MethodPost)
-		rc.refuse(w, r, http.StatusMethodNotAllowed, fmt.Sprintf("webhook: method %s not allowed; deliveries are POSTed", r.Method))
+		rc.refuse(w, r, http.StatusMethodNotAllowed, "webhook: method not allowed; deliveries are POSTed", "method "+r.Method)
 		return
 	}
 	body, status, err := rc.readBody(w, r)
 	if err != nil {
-		rc.refuse(w, r, status, err.Error())
+		rc.refuse(w, r, status, err.Error(), err.Error())
 		return
 	}
 	d, err := rc.cfg.Verifier.Verify(r, body, time.Now())
@@ -143,16 +143,17 @@ func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if ve, ok := errors.AsType[*Error](err); ok && ve.Status >= 400 && ve.Status < 600 {
 			status = ve.Status
 		}
-		rc.refuse(w, r, status, err.Error())
+		rc.refuse(w, r, status, refusalBody(err), err.Error())
 		return
 	}
 	id := rc.cfg.IDPrefix + d.ID
 	switch {
 	case d.ID == "":
-		rc.refuse(w, r, http.StatusBadRequest, "webhook: the verifier returned no delivery id")
+		rc.refuse(w, r, http.StatusBadRequest, "webhook: "+ErrNoDeliveryID.Error(), "the verifier returned no delivery id")
 		return
 	case len(id) > outbox.MaxIDLen:
-		rc.refuse(w, r, http.StatusBadRequest, fmt.Sprintf("webhook: the delivery id is %d bytes long, over the limit of %d", len(id), outbox.MaxIDLen))
+		msg := fmt.Sprintf("webhook: the delivery id is %d bytes long, over the limit of %d", len(id), outbox.MaxIDLen)
+		rc.refuse(w, r, http.StatusBadRequest, msg, msg)
 		return
 	}
 	duplicate, err := rc.store(r.Context(), id, d, body, r.Header.Get("Content-Type"))
@@ -187,7 +188,7 @@ func (rc *Receiver) readBody(w http.ResponseWriter, r *http.Request) ([]byte, in
 		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
 			return nil, http.StatusRequestEntityTooLarge, fmt.Errorf("webhook: the body is over the limit of %d bytes", limit)
 		}
-		return nil, http.StatusBadRequest, fmt.Errorf("webhook: reading the body: %w", err)
+		return nil, http.StatusBadRequest, errors.New("webhook: the body could not be read")
 	}
 	return body, 0, nil
 }
@@ -226,10 +227,28 @@ func (rc *Receiver) store(ctx context.Context, id string, d Delivery, body []byt
 	return duplicate, nil
 }
 
-// refuse answers a 4xx status with msg.
-func (rc *Receiver) refuse(w http.ResponseWriter, r *http.Request, status int, msg string) {
+// refuse answers a 4xx status with body, which never quotes the request,
+// and logs detail, which says exactly what was wrong, at Info.
+func (rc *Receiver) refuse(w http.ResponseWriter, r *http.Request, status int, body, detail string) {
 	rc.refused.Add(1)
 	rc.cfg.Logger.LogAttrs(r.Context(), slog.LevelInfo, "webhook: request refused",
-		slog.Int("status", status), slog.String("reason", msg), slog.String("remote_addr", r.RemoteAddr))
-	http.Error(w, msg, status)
+		slog.Int("status", status), slog.String("reason", detail), slog.String("remote_addr", r.RemoteAddr))
+	http.Error(w, body, status)
+}
+
+// reasons are the refusals whose fixed text a response may carry: they name
+// what failed, never a value of the request, a count of secrets or the
+// clock skew.
+var reasons = []error{ErrMissingSignature, ErrMalformedHeader, ErrSignatureMismatch, ErrTimestamp, ErrNoDeliveryID}
+
+// refusalBody is the terse body of a refused verification: the reason
+// alone, or "refused" for a verifier's own error, whose text may quote the
+// request. The details go to the log.
+func refusalBody(err error) string {
+	for _, reason := range reasons {
+		if errors.Is(err, reason) {
+			return "webhook: " + reason.Error()
+		}
+	}
+	return "webhook: refused"
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -299,5 +300,99 @@ func TestSecretsStayOutOfLogs(t *testing.T) {
 	}
 	if strings.Count(logs.String(), "request refused") != 4 || !strings.Contains(logs.String(), "delivery not stored") {
 		t.Fatalf("want 4 refusals and a failed store logged (else nothing was checked):\n%s", logs.String())
+	}
+}
+
+// Refused requests are answered tersely: the body names the reason and
+// never echoes a request header, the number of secrets tried or the clock
+// skew, for every built-in verifier and every kind of refusal; the details
+// are in the log, at Info.
+func TestRefusalsAreTerse(t *testing.T) {
+	const mark = "EchoMark7q"
+	now := time.Now()
+	ts := strconv.FormatInt(now.Unix(), 10)
+	stale := strconv.FormatInt(now.Add(-time.Hour).Unix(), 10)
+	future := strconv.FormatInt(now.Add(time.Hour).Unix(), 10)
+	const stripeSecret, ghSecret = "whsec_stripe_test_secret", "gh-secret"
+	for _, tc := range []struct {
+		name     string
+		verifier func(t *testing.T) Verifier
+		headers  map[string]string
+		reason   string // in the body
+		logged   string // in the log line's detail
+	}{
+		{"standard: malformed timestamp", func(t *testing.T) Verifier {
+			return mustVerifier(t, NewStandardWebhooks, VerifierConfig{Secrets: []string{testSecret}})
+		},
+			map[string]string{"webhook-id": "msg_1", "webhook-timestamp": mark, "webhook-signature": "v1,AAAA"}, "malformed header", mark},
+		{"standard: no signature matches two secrets", func(t *testing.T) Verifier {
+			return mustVerifier(t, NewStandardWebhooks, VerifierConfig{Secrets: []string{testSecret, "whsec_b3RoZXItc2VjcmV0LW5vYm9keS1jb25maWd1cmVk"}})
+		}, map[string]string{"webhook-id": "msg_1" + mark, "webhook-timestamp": ts, "webhook-signature": "v1,AAAA v1,BBBB"}, "no signature matches", "2 secret(s)"},
+		{"standard: stale", func(t *testing.T) Verifier {
+			return mustVerifier(t, NewStandardWebhooks, VerifierConfig{Secrets: []string{testSecret}})
+		},
+			map[string]string{"webhook-id": "msg_1", "webhook-timestamp": stale, "webhook-signature": swSign(t, testSecret, "msg_1", stale, "{}")},
+			"timestamp outside tolerance", "old"},
+		{"stripe: malformed item", func(t *testing.T) Verifier {
+			return mustVerifier(t, NewStripe, VerifierConfig{Secrets: []string{stripeSecret}})
+		},
+			map[string]string{"Stripe-Signature": "t=" + ts + "," + mark}, "malformed header", mark},
+		{"stripe: future", func(t *testing.T) Verifier {
+			return mustVerifier(t, NewStripe, VerifierConfig{Secrets: []string{stripeSecret}})
+		},
+			map[string]string{"Stripe-Signature": "t=" + future + ",v1=" + stripeSign(stripeSecret, future, "{}")},
+			"timestamp outside tolerance", "ahead"},
+		{"github: not sha256", func(t *testing.T) Verifier {
+			return mustVerifier(t, NewGitHub, VerifierConfig{Secrets: []string{ghSecret}})
+		},
+			map[string]string{"X-Hub-Signature-256": "md5=" + mark, "X-GitHub-Delivery": "d-1"}, "malformed header", mark},
+		{"github: mismatch", func(t *testing.T) Verifier {
+			return mustVerifier(t, NewGitHub, VerifierConfig{Secrets: []string{ghSecret}})
+		},
+			map[string]string{"X-Hub-Signature-256": githubSign("other", "{}"), "X-GitHub-Delivery": mark}, "no signature matches", "1 secret(s)"},
+		{"custom verifier quoting a header", func(*testing.T) Verifier {
+			return verifierFunc(func(r *http.Request, _ []byte, _ time.Time) (Delivery, error) {
+				return Delivery{}, fmt.Errorf("bad token %q", r.Header.Get("Authorization"))
+			})
+		}, map[string]string{"Authorization": "Bearer " + mark}, "refused", mark},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var logs bytes.Buffer
+			_, srv := newTestReceiver(t, func(c *Config) {
+				c.Verifier = tc.verifier(t)
+				c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
+			})
+			r, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("{}"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for k, v := range tc.headers {
+				r.Header.Set(k, v)
+			}
+			status, _, body := do(t, r)
+			if status != http.StatusUnauthorized {
+				t.Fatalf("status %d (%s), want 401", status, body)
+			}
+			if want := "webhook: " + tc.reason + "\n"; body != want {
+				t.Errorf("body %q, want %q", body, want)
+			}
+			for _, leak := range []string{mark, "secret", "old", "ahead", "tolerance of"} {
+				if strings.Contains(body, leak) {
+					t.Errorf("body %q contains %q", body, leak)
+				}
+			}
+			if !strings.Contains(logs.String(), "request refused") || !strings.Contains(logs.String(), tc.logged) {
+				t.Errorf("the log does not carry the detail %q:\n%s", tc.logged, logs.String())
+			}
+		})
+	}
+	// The method is not echoed either.
+	_, srv := newTestReceiver(t, nil)
+	r, err := http.NewRequestWithContext(t.Context(), "PROPFIND"+strings.ToUpper(mark), srv.URL, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if status, _, body := do(t, r); status != http.StatusMethodNotAllowed || strings.Contains(strings.ToLower(body), strings.ToLower(mark)) {
+		t.Errorf("405 %d %q echoes the method", status, body)
 	}
 }

@@ -63,8 +63,11 @@ type Error struct {
 	// 400 for an authentic but unusable request. A status outside 400-599
 	// is answered 401.
 	Status int
-	Reason error  // one of the Err* reasons, or a verifier's own
-	Detail string // what exactly was wrong; never contains a secret
+	Reason error // one of the Err* reasons, or a verifier's own
+	// Detail says exactly what was wrong, for the log: it may quote
+	// request headers (truncated) and never contains a secret. The
+	// Receiver logs it and answers with the Reason alone.
+	Detail string
 }
 
 func (e *Error) Error() string {
