@@ -46,7 +46,26 @@ type Filter struct {
 	// Refs selects dead-letter records by partition/offset ("0/17") or
 	// topic/partition/offset.
 	Refs []string
+	// RefuseInvalid makes List fail with an *InvalidRecordError at the
+	// first record that is not a valid dead-letter record, whatever the
+	// other fields select: the topic is most likely not a dead-letter
+	// topic. Default false: such records are listed, with Err set, when no
+	// other field selects.
+	RefuseInvalid bool
 }
+
+// InvalidRecordError is List's refusal of a topic that holds a record that
+// is not a valid dead-letter record (Filter.RefuseInvalid).
+type InvalidRecordError struct {
+	Ref string // topic/partition/offset of the record
+	Err error  // why it is not one; wraps ErrNotDeadLetter
+}
+
+func (e *InvalidRecordError) Error() string {
+	return fmt.Sprintf("dlq: %s is not a valid dead-letter record: %v", e.Ref, e.Err)
+}
+
+func (e *InvalidRecordError) Unwrap() error { return e.Err }
 
 func (f *Filter) match(e *Entry) bool {
 	if len(f.Refs) > 0 {
@@ -90,6 +109,9 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 	for _, r := range recs {
 		e := Entry{Record: r, Copies: 1}
 		e.Info, e.Err = Decode(r.Headers)
+		if e.Err != nil && f.RefuseInvalid {
+			return nil, &InvalidRecordError{Ref: e.Ref(), Err: e.Err}
+		}
 		if e.Info != nil {
 			id := fmt.Sprintf("%s\x00%s\x00%s/%d/%d", e.Info.Group, e.Info.MessageID, e.Info.Topic, e.Info.Partition, e.Info.Offset)
 			if i, dup := seen[id]; dup {

@@ -1,8 +1,9 @@
 package main
 
 import (
+	"cmp"
 	"context"
-	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -33,6 +34,9 @@ type dlqFlags struct {
 	messageID    string
 	since, until string
 	refs         refs
+	skipInvalid  bool
+	asJSON       *bool
+	stderr       io.Writer
 }
 
 func (d *dlqFlags) register(fs *flag.FlagSet) {
@@ -45,6 +49,8 @@ func (d *dlqFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&d.since, "since", "", "only last failures at or after this time (RFC 3339, or a duration ago such as 24h)")
 	fs.StringVar(&d.until, "until", "", "only last failures before this time (RFC 3339, or a duration ago)")
 	fs.Var(&d.refs, "ref", "only this dead-letter record, as partition/offset (repeatable)")
+	fs.BoolVar(&d.skipInvalid, "skip-invalid", false, "skip records that are not dead-letter records (default: refuse the topic at the first one)")
+	d.asJSON = jsonFlag(fs)
 }
 
 func parseWhen(flagName, v string, now time.Time) (time.Time, error) {
@@ -61,7 +67,8 @@ func parseWhen(flagName, v string, now time.Time) (time.Time, error) {
 }
 
 func (d *dlqFlags) filter() (dlq.Filter, error) {
-	f := dlq.Filter{SourceTopic: d.source, Group: d.group, Class: dlq.Class(d.class), MessageID: d.messageID, Refs: d.refs}
+	f := dlq.Filter{SourceTopic: d.source, Group: d.group, Class: dlq.Class(d.class), MessageID: d.messageID, Refs: d.refs,
+		RefuseInvalid: !d.skipInvalid}
 	if d.topic == "" {
 		return f, usageErr("--topic: the dead-letter topic is required")
 	}
@@ -99,20 +106,35 @@ func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) ([]dlq.Entry, []kgo.O
 	lctx, cancel := context.WithTimeout(ctx, d.kafka.timeout)
 	defer cancel()
 	entries, err := dlq.List(lctx, opts, d.topic, f)
+	if ie, ok := errors.AsType[*dlq.InvalidRecordError](err); ok {
+		return nil, nil, fmt.Errorf("%s is not a dead-letter topic: record %s has no valid dead-letter headers (%v); "+
+			"dead-letter topics are usually named %s; --skip-invalid skips such records", d.topic, ie.Ref, ie.Err, dlq.DefaultTopic("<source>"))
+	}
 	if err != nil {
 		return nil, nil, fmt.Errorf("cannot read %s from Kafka at %s (timeout %s): %w", d.topic, d.kafka.brokers, d.kafka.timeout,
 			d.kafka.security.Explain(err))
+	}
+	if d.skipInvalid {
+		valid := entries[:0]
+		for _, e := range entries {
+			if e.Err == nil {
+				valid = append(valid, e)
+			}
+		}
+		if n := len(entries) - len(valid); n > 0 {
+			fmt.Fprintf(d.stderr, "oncely: skipped %d records of %s that are not dead-letter records\n", n, d.topic)
+		}
+		entries = valid
 	}
 	return entries, opts, nil
 }
 
 func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("dlq "+sub, flag.ContinueOnError)
-	var d dlqFlags
+	d := dlqFlags{stderr: stderr}
 	d.register(fs)
 	switch sub {
 	case "list":
-		asJSON := fs.Bool("json", false, "print one JSON object per record")
 		if err := parse(fs, args, stderr); err != nil {
 			return err
 		}
@@ -124,8 +146,8 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		if err != nil {
 			return err
 		}
-		if *asJSON {
-			return printJSON(stdout, entries)
+		if *d.asJSON {
+			return printEntriesJSON(stdout, entries)
 		}
 		return printTable(stdout, entries)
 	case "show":
@@ -146,6 +168,9 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		}
 		if len(entries) == 0 {
 			return fmt.Errorf("dlq show: no record %s in %s", strings.Join(d.refs, ", "), d.topic)
+		}
+		if *d.asJSON {
+			return printEntriesJSON(stdout, entries)
 		}
 		for i := range entries {
 			show(stdout, &entries[i])
@@ -191,6 +216,9 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		}
 		defer producer.Close()
 		results, err := dlq.Redrive(ctx, producer, entries, opts)
+		if *d.asJSON {
+			return cmp.Or(printRedriveJSON(stdout, results), err)
+		}
 		counts := map[dlq.Action]int{}
 		for _, r := range results {
 			counts[r.Action]++
@@ -239,33 +267,79 @@ func clip(s string, n int) string {
 	return dlq.Truncate(s, n-3) + "..."
 }
 
+// jsonEntry is a dead-letter record in --json output.
 type jsonEntry struct {
 	Ref     string            `json:"ref"`
 	Copies  int               `json:"copies"`
-	Info    *dlq.Info         `json:"info,omitempty"`
+	Info    *jsonInfo         `json:"info,omitempty"`
 	Invalid string            `json:"invalid,omitempty"`
 	Key     string            `json:"key"`
 	Value   string            `json:"value"`
-	Headers map[string]string `json:"headers"`
+	Headers map[string]string `json:"headers"` // keys are the record's header names
 }
 
-func printJSON(w io.Writer, entries []dlq.Entry) error {
-	enc := json.NewEncoder(w)
+// jsonInfo is dlq.Info in --json output.
+type jsonInfo struct {
+	Topic        string    `json:"topic"`
+	Partition    int32     `json:"partition"`
+	Offset       int64     `json:"offset"`
+	Timestamp    time.Time `json:"timestamp"`
+	Group        string    `json:"group"`
+	MessageID    string    `json:"message_id"`
+	Attempts     int       `json:"attempts"`
+	FirstFailure time.Time `json:"first_failure"`
+	LastFailure  time.Time `json:"last_failure"`
+	Class        dlq.Class `json:"class"`
+	Error        string    `json:"error"`
+	TraceParent  string    `json:"trace_parent,omitempty"`
+	TraceState   string    `json:"trace_state,omitempty"`
+}
+
+func printEntriesJSON(w io.Writer, entries []dlq.Entry) error {
+	out := make([]jsonEntry, 0, len(entries))
 	for i := range entries {
 		e := &entries[i]
-		je := jsonEntry{Ref: fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset), Copies: e.Copies, Info: e.Info,
+		je := jsonEntry{Ref: fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset), Copies: e.Copies,
 			Key: printable(e.Record.Key), Value: printable(e.Record.Value), Headers: map[string]string{}}
+		if i := e.Info; i != nil {
+			je.Info = &jsonInfo{Topic: i.Topic, Partition: i.Partition, Offset: i.Offset, Timestamp: i.Timestamp.UTC(), Group: i.Group,
+				MessageID: i.MessageID, Attempts: i.Attempts, FirstFailure: i.FirstFailure.UTC(), LastFailure: i.LastFailure.UTC(),
+				Class: i.Class, Error: i.Error, TraceParent: i.TraceParent, TraceState: i.TraceState}
+		}
 		if e.Err != nil {
 			je.Invalid = e.Err.Error()
 		}
 		for _, h := range e.Record.Headers {
 			je.Headers[h.Key] = printable(h.Value)
 		}
-		if err := enc.Encode(je); err != nil {
-			return err
-		}
+		out = append(out, je)
 	}
-	return nil
+	return printJSON(w, out...)
+}
+
+// jsonRedrive is one redrive result in --json output.
+type jsonRedrive struct {
+	Action    dlq.Action `json:"action"`
+	Ref       string     `json:"ref"`
+	MessageID string     `json:"message_id,omitempty"`
+	Topic     string     `json:"topic,omitempty"`     // destination
+	Partition *int32     `json:"partition,omitempty"` // of the produced record
+	Offset    *int64     `json:"offset,omitempty"`
+}
+
+func printRedriveJSON(w io.Writer, results []dlq.Result) error {
+	out := make([]jsonRedrive, 0, len(results))
+	for _, r := range results {
+		j := jsonRedrive{Action: r.Action, Ref: r.Entry.Ref(), Topic: r.Topic}
+		if r.Entry.Info != nil {
+			j.MessageID = r.Entry.Info.MessageID
+		}
+		if r.Action == dlq.Redriven {
+			j.Partition, j.Offset = &r.Partition, &r.Offset
+		}
+		out = append(out, j)
+	}
+	return printJSON(w, out...)
 }
 
 // printable returns b as text, or a hex dump marker for binary data.

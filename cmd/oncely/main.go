@@ -3,15 +3,22 @@
 // outbound webhook deliveries.
 //
 //	oncely migrate up|down|status   [--database-url URL] [--schema oncely] [--to N]
-//	oncely dlq list    --topic T [filters] [--json]
+//	oncely dlq list    --topic T [filters] [--skip-invalid]
 //	oncely dlq show    --topic T REF...
 //	oncely dlq redrive --topic T [filters] [--ref P/O]... [--to-topic X] [--dry-run] [--database-url URL]
 //	oncely outbox status [--database-url URL] [--schema oncely]
-//	oncely outbox parked [--json] [--limit N]
+//	oncely outbox parked [--limit N]
 //	oncely outbox retry ID...|--all
 //	oncely outbox discard ID...
+//	oncely inbox count [--group G]
+//	oncely inbox get MESSAGE-ID [--group G]
+//	oncely inbox retention --retention D [--group G]
 //	oncely webhooks redrive (--subscription ID | --all-subscriptions) [--since T] [--until T] [--dry-run]
 //	oncely webhooks status|pause|resume ...
+//
+// Every command takes --json: it then prints JSON Lines (one object per
+// row, or a single object for a summary) whose keys are snake_case.
+// Subscription URLs are shown without their credentials.
 //
 // Kafka commands take --brokers (or KAFKA_BROKERS), TLS (--tls, --tls-ca,
 // --tls-cert, --tls-key, --tls-insecure-skip-verify) and SASL
@@ -23,6 +30,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -50,6 +58,7 @@ const usage = `usage:
   oncely migrate up|down|status [flags]
   oncely dlq list|show|redrive [flags]
   oncely outbox status|parked|retry|discard [flags]
+  oncely inbox count|get|retention [flags]
   oncely webhooks redrive|status|pause|resume [flags]
 Run "oncely <command> <subcommand> -h" for the flags.
 `
@@ -84,11 +93,28 @@ func dispatch(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return dlqCmd(ctx, sub, rest, stdout, stderr)
 	case "outbox":
 		return outboxCmd(ctx, sub, rest, stdout, stderr)
+	case "inbox":
+		return inboxCmd(ctx, sub, rest, stdout, stderr)
 	case "webhooks":
 		return webhooksCmd(ctx, sub, rest, stdout, stderr)
 	}
 	fmt.Fprint(stderr, usage)
 	return usageErr("unknown command %q", cmd)
+}
+
+// parseArgs parses flags placed before, between and after the positional
+// arguments, and returns the positional arguments.
+func parseArgs(fs *flag.FlagSet, args []string, stderr io.Writer) ([]string, error) {
+	var pos []string
+	for {
+		if err := parse(fs, args, stderr); err != nil {
+			return nil, err
+		}
+		if fs.NArg() == 0 {
+			return pos, nil
+		}
+		pos, args = append(pos, fs.Arg(0)), fs.Args()[1:]
+	}
 }
 
 // parse parses flags, turning flag errors into usage errors.
@@ -99,6 +125,23 @@ func parse(fs *flag.FlagSet, args []string, stderr io.Writer) error {
 			return err
 		}
 		return usageErr("%s: %v", fs.Name(), err)
+	}
+	return nil
+}
+
+// jsonFlag registers --json.
+func jsonFlag(fs *flag.FlagSet) *bool {
+	return fs.Bool("json", false, "print JSON Lines (snake_case keys) instead of a table")
+}
+
+// printJSON prints each row as one line of JSON.
+func printJSON[T any](w io.Writer, rows ...T) error {
+	enc := json.NewEncoder(w)
+	enc.SetEscapeHTML(false) // URLs and errors print as they are: & not \u0026
+	for _, r := range rows {
+		if err := enc.Encode(r); err != nil {
+			return err
+		}
 	}
 	return nil
 }

@@ -58,6 +58,7 @@ func migrateCmd(ctx context.Context, sub string, args []string, stdout, stderr i
 	var db dbFlags
 	db.register(fs)
 	to := fs.Int("to", 0, "down: revert every migration above this version (0: all)")
+	asJSON := jsonFlag(fs)
 	timeout := fs.Duration("timeout", 15*time.Second, "how long to wait for Postgres")
 	if err := parse(fs, args, stderr); err != nil {
 		return err
@@ -78,29 +79,47 @@ func migrateCmd(ctx context.Context, sub string, args []string, stdout, stderr i
 		return usageErr("--schema: %v", err)
 	}
 	switch sub {
-	case "up":
-		done, err := m.Up(ctx)
+	case "up", "down":
+		var done []migrations.Migration
+		action := "applied"
+		if sub == "up" {
+			done, err = m.Up(ctx)
+		} else {
+			done, err = m.Down(ctx, *to)
+			action = "reverted"
+		}
 		if err != nil {
 			return err
 		}
-		if len(done) == 0 {
+		if *asJSON {
+			out := make([]jsonMigration, 0, len(done))
+			for _, mig := range done {
+				out = append(out, jsonMigration{Action: action, Version: mig.Version, Name: mig.Name})
+			}
+			return printJSON(stdout, out...)
+		}
+		if len(done) == 0 && sub == "up" {
 			fmt.Fprintf(stdout, "schema %s is up to date\n", db.schema)
 		}
 		for _, mig := range done {
-			fmt.Fprintf(stdout, "applied %04d_%s\n", mig.Version, mig.Name)
-		}
-	case "down":
-		done, err := m.Down(ctx, *to)
-		if err != nil {
-			return err
-		}
-		for _, mig := range done {
-			fmt.Fprintf(stdout, "reverted %04d_%s\n", mig.Version, mig.Name)
+			fmt.Fprintf(stdout, "%s %04d_%s\n", action, mig.Version, mig.Name)
 		}
 	case "status":
 		st, err := m.Status(ctx)
 		if err != nil {
 			return err
+		}
+		if *asJSON {
+			out := make([]jsonMigrationStatus, 0, len(st))
+			for _, s := range st {
+				j := jsonMigrationStatus{Version: s.Version, Name: s.Name, Applied: s.Applied}
+				if s.Applied {
+					at := s.AppliedAt.UTC()
+					j.AppliedAt = &at
+				}
+				out = append(out, j)
+			}
+			return printJSON(stdout, out...)
 		}
 		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(tw, "VERSION\tNAME\tAPPLIED")
@@ -114,4 +133,17 @@ func migrateCmd(ctx context.Context, sub string, args []string, stdout, stderr i
 		return tw.Flush()
 	}
 	return nil
+}
+
+type jsonMigration struct {
+	Action  string `json:"action"` // applied or reverted
+	Version int    `json:"version"`
+	Name    string `json:"name"`
+}
+
+type jsonMigrationStatus struct {
+	Version   int        `json:"version"`
+	Name      string     `json:"name"`
+	Applied   bool       `json:"applied"`
+	AppliedAt *time.Time `json:"applied_at"` // null when not applied
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -19,12 +18,12 @@ func outboxCmd(ctx context.Context, sub string, args []string, stdout, stderr io
 	var db dbFlags
 	db.register(fs)
 	timeout := fs.Duration("timeout", 15*time.Second, "how long to wait for Postgres")
-	var asJSON, all *bool
+	asJSON := jsonFlag(fs)
+	var all *bool
 	var limit *int
 	switch sub {
 	case "status", "discard":
 	case "parked":
-		asJSON = fs.Bool("json", false, "print one JSON object per parked row")
 		limit = fs.Int("limit", 0, "list at most this many rows, oldest first (0: all)")
 	case "retry":
 		all = fs.Bool("all", false, "retry every parked row")
@@ -60,6 +59,10 @@ func outboxCmd(ctx context.Context, sub string, args []string, stdout, stderr io
 		if err != nil {
 			return err
 		}
+		if *asJSON {
+			return printJSON(stdout, jsonOutboxStatus{Pending: st.Pending, OldestPendingSeconds: st.OldestPending.Seconds(),
+				SentRetained: st.Sent, Parked: st.Parked})
+		}
 		fmt.Fprintf(stdout, "pending\t%d\noldest_pending_seconds\t%.3f\nsent_retained\t%d\nparked\t%d\n",
 			st.Pending, st.OldestPending.Seconds(), st.Sent, st.Parked)
 		return nil
@@ -78,40 +81,63 @@ func outboxCmd(ctx context.Context, sub string, args []string, stdout, stderr io
 			if err != nil {
 				return err
 			}
+			if *asJSON {
+				return printJSON(stdout, jsonCount{Action: "retried", Count: n})
+			}
 			fmt.Fprintf(stdout, "%d parked rows retried\n", n)
 			return nil
 		}
-		return eachID(ids, stdout, "retried", func(id int64) error { return o.Retry(ctx, pool, id) })
+		return eachID(ids, stdout, *asJSON, "retried", func(id int64) error { return o.Retry(ctx, pool, id) })
 	default: // discard
-		return eachID(ids, stdout, "discarded", func(id int64) error { return o.Discard(ctx, pool, id) })
+		return eachID(ids, stdout, *asJSON, "discarded", func(id int64) error { return o.Discard(ctx, pool, id) })
 	}
+}
+
+type jsonOutboxStatus struct {
+	Pending              int64   `json:"pending"`
+	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
+	SentRetained         int64   `json:"sent_retained"`
+	Parked               int64   `json:"parked"`
+}
+
+// jsonCount is the outcome of a command that acts on many rows at once.
+type jsonCount struct {
+	Action string `json:"action"`
+	Count  int64  `json:"count"`
+}
+
+// jsonDone is the outcome of a command for one row.
+type jsonDone struct {
+	Action string `json:"action"`
+	ID     string `json:"id"`
 }
 
 // parseWithIDs parses flags and the row ids among them, in any order.
 func parseWithIDs(fs *flag.FlagSet, args []string, stderr io.Writer) ([]int64, error) {
-	var ids []int64
-	for {
-		if err := parse(fs, args, stderr); err != nil {
-			return nil, err
-		}
-		if fs.NArg() == 0 {
-			return ids, nil
-		}
-		id, err := strconv.ParseInt(fs.Arg(0), 10, 64)
-		if err != nil || id <= 0 {
-			return nil, usageErr("%s: %q is not an outbox row id", fs.Name(), fs.Arg(0))
-		}
-		ids, args = append(ids, id), fs.Args()[1:]
+	pos, err := parseArgs(fs, args, stderr)
+	if err != nil {
+		return nil, err
 	}
+	ids := make([]int64, 0, len(pos))
+	for _, a := range pos {
+		id, err := strconv.ParseInt(a, 10, 64)
+		if err != nil || id <= 0 {
+			return nil, usageErr("%s: %q is not an outbox row id", fs.Name(), a)
+		}
+		ids = append(ids, id)
+	}
+	return ids, nil
 }
 
-// eachID applies do to every id, reporting each, and returns the first error
-// after trying them all.
-func eachID(ids []int64, stdout io.Writer, done string, do func(int64) error) error {
+func eachID(ids []int64, stdout io.Writer, asJSON bool, done string, do func(int64) error) error {
 	var first error
 	for _, id := range ids {
 		if err := do(id); err != nil {
 			first = cmp.Or(first, err)
+			continue
+		}
+		if asJSON {
+			first = cmp.Or(first, printJSON(stdout, jsonDone{Action: done, ID: strconv.FormatInt(id, 10)}))
 			continue
 		}
 		fmt.Fprintf(stdout, "%s\t%d\n", done, id)
@@ -145,16 +171,14 @@ type jsonParked struct {
 }
 
 func printParkedJSON(w io.Writer, rows []outbox.ParkedRow) error {
-	enc := json.NewEncoder(w)
+	out := make([]jsonParked, 0, len(rows))
 	for _, r := range rows {
 		j := jsonParked{ID: r.ID, MessageID: r.MessageID, Topic: r.Topic, Size: r.Size, Held: r.Held, Error: r.Error, ParkedAt: r.ParkedAt.UTC()}
 		if r.Key != nil {
 			k := printable(r.Key)
 			j.Key = &k
 		}
-		if err := enc.Encode(j); err != nil {
-			return err
-		}
+		out = append(out, j)
 	}
-	return nil
+	return printJSON(w, out...)
 }

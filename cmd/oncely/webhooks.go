@@ -25,6 +25,7 @@ func webhooksCmd(ctx context.Context, sub string, args []string, stdout, stderr 
 	var db dbFlags
 	db.register(fs)
 	timeout := fs.Duration("timeout", 15*time.Second, "how long to wait for Postgres")
+	asJSON := jsonFlag(fs)
 	var subscription, since, until, reason string
 	var all, dryRun bool
 	var limit int
@@ -97,21 +98,17 @@ func webhooksCmd(ctx context.Context, sub string, args []string, stdout, stderr 
 		if err != nil {
 			return err
 		}
+		if *asJSON {
+			return printSubscriptionsJSON(stdout, ovs)
+		}
 		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(tw, "SUBSCRIPTION\tURL\tSTATE\tBREAKER\tFAILURES\tPENDING\tIN-FLIGHT\tDEAD\tOLDEST-PENDING\tPAUSE-REASON")
 		for _, o := range ovs {
-			state := "active"
-			switch {
-			case o.Subscription.Disabled:
-				state = "disabled"
-			case o.Subscription.Paused():
-				state = "paused"
-			}
 			oldest := "-"
 			if !o.OldestPending.IsZero() {
 				oldest = o.OldestPending.UTC().Format(time.RFC3339)
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%s\t%s\n", o.Subscription.ID, clip(o.Subscription.URL, 60), state,
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%s\t%s\n", o.Subscription.ID, clip(outbound.RedactURL(o.Subscription.URL), 60), subscriptionState(o.Subscription),
 				o.Breaker.State, o.Breaker.ConsecutiveFailures, o.Pending, o.Delivering, o.Dead, oldest, clip(o.Subscription.PausedReason, 60))
 		}
 		if err := tw.Flush(); err != nil {
@@ -123,11 +120,17 @@ func webhooksCmd(ctx context.Context, sub string, args []string, stdout, stderr 
 		if err := store.PauseSubscription(ctx, pool, subID, reason); err != nil {
 			return notFoundAsUsage(err, subID)
 		}
+		if *asJSON {
+			return printJSON(stdout, jsonDone{Action: "paused", ID: subID.String()})
+		}
 		_, err := fmt.Fprintf(stdout, "paused %s\n", subID)
 		return err
 	case "resume":
 		if err := store.ResumeSubscription(ctx, pool, subID); err != nil {
 			return notFoundAsUsage(err, subID)
+		}
+		if *asJSON {
+			return printJSON(stdout, jsonDone{Action: "resumed", ID: subID.String()})
 		}
 		_, err := fmt.Fprintf(stdout, "resumed %s (breaker reset)\n", subID)
 		return err
@@ -141,6 +144,9 @@ func webhooksCmd(ctx context.Context, sub string, args []string, stdout, stderr 
 	ds, err := store.Redrive(ctx, pool, f)
 	if err != nil {
 		return err
+	}
+	if *asJSON {
+		return printDeliveriesJSON(stdout, ds, dryRun)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "WEBHOOK-ID\tSUBSCRIPTION\tEVENT-ID\tEVENT-TYPE\tDIED\tATTEMPTS\tLAST-STATUS\tLAST-ERROR")
@@ -168,4 +174,76 @@ func notFoundAsUsage(err error, id uuid.UUID) error {
 		return usageErr("--subscription: no subscription %s", id)
 	}
 	return err
+}
+
+func subscriptionState(s outbound.Subscription) string {
+	switch {
+	case s.Disabled:
+		return "disabled"
+	case s.Paused():
+		return "paused"
+	}
+	return "active"
+}
+
+// jsonSubscription is one row of webhooks status --json. The URL is
+// redacted; the secrets are never shown.
+type jsonSubscription struct {
+	ID                  string     `json:"id"`
+	URL                 string     `json:"url"`
+	State               string     `json:"state"`
+	EventTypes          []string   `json:"event_types"`
+	Breaker             string     `json:"breaker"`
+	ConsecutiveFailures int        `json:"consecutive_failures"`
+	Pending             int64      `json:"pending"`
+	InFlight            int64      `json:"in_flight"`
+	Dead                int64      `json:"dead"`
+	OldestPending       *time.Time `json:"oldest_pending"`
+	PausedReason        string     `json:"paused_reason,omitempty"`
+}
+
+func printSubscriptionsJSON(w io.Writer, ovs []outbound.Overview) error {
+	out := make([]jsonSubscription, 0, len(ovs))
+	for _, o := range ovs {
+		j := jsonSubscription{ID: o.Subscription.ID.String(), URL: outbound.RedactURL(o.Subscription.URL),
+			State: subscriptionState(o.Subscription), EventTypes: o.Subscription.EventTypes, Breaker: string(o.Breaker.State),
+			ConsecutiveFailures: o.Breaker.ConsecutiveFailures, Pending: o.Pending, InFlight: o.Delivering, Dead: o.Dead,
+			PausedReason: o.Subscription.PausedReason}
+		if !o.OldestPending.IsZero() {
+			t := o.OldestPending.UTC()
+			j.OldestPending = &t
+		}
+		if j.EventTypes == nil {
+			j.EventTypes = []string{}
+		}
+		out = append(out, j)
+	}
+	return printJSON(w, out...)
+}
+
+// jsonDelivery is one row of webhooks redrive --json.
+type jsonDelivery struct {
+	Action         string    `json:"action"` // redriven or would_redrive
+	WebhookID      string    `json:"webhook_id"`
+	SubscriptionID string    `json:"subscription_id"`
+	EventID        string    `json:"event_id"`
+	EventType      string    `json:"event_type"`
+	DiedAt         time.Time `json:"died_at"`
+	Attempts       int       `json:"attempts"`
+	LastStatus     int       `json:"last_status,omitempty"`
+	LastError      string    `json:"last_error"`
+}
+
+func printDeliveriesJSON(w io.Writer, ds []outbound.Delivery, dryRun bool) error {
+	action := "redriven"
+	if dryRun {
+		action = "would_redrive"
+	}
+	out := make([]jsonDelivery, 0, len(ds))
+	for _, d := range ds {
+		out = append(out, jsonDelivery{Action: action, WebhookID: d.WebhookID, SubscriptionID: d.SubscriptionID.String(),
+			EventID: d.EventID, EventType: d.EventType, DiedAt: d.DeadAt.UTC(), Attempts: d.Attempts,
+			LastStatus: d.LastStatus, LastError: d.LastError})
+	}
+	return printJSON(w, out...)
 }
