@@ -7,6 +7,8 @@ import (
 	"errors"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -118,7 +120,9 @@ func TestCLIDLQCommands(t *testing.T) {
 		t.Fatalf("list --class permanent --json: %d %q", code, out)
 	}
 	var je struct {
-		Info    *dlq.Info         `json:"info"`
+		Info struct {
+			MessageID string `json:"message_id"`
+		} `json:"info"`
 		Headers map[string]string `json:"headers"`
 	}
 	if err := json.Unmarshal([]byte(lines[0]), &je); err != nil || je.Info.MessageID != "a" || je.Headers[dlq.HeaderGroup] != group {
@@ -214,5 +218,138 @@ func TestCLIDLQListOverTLSAndSCRAM(t *testing.T) {
 	if code, _, errs := oncely(t, "dlq", "list", "--brokers", strings.Join(k.Brokers, ","), "--topic", dlqTopic, "--timeout", "3s"); code != 1 ||
 		!strings.Contains(errs, "is TLS missing?") {
 		t.Fatalf("dlq list without TLS: exit %d, stderr %q; want exit 1 saying TLS is missing", code, errs)
+	}
+}
+
+// produceDeadLetters writes n valid dead-letter records (ids d0, d1, ...)
+// to topic, as a consumer of source would have.
+func produceDeadLetters(t *testing.T, cl *kgo.Client, topic, source string, n int) {
+	t.Helper()
+	now := time.Now().UTC().Truncate(time.Millisecond)
+	for i := range n {
+		info := dlq.Info{Topic: source, Partition: 0, Offset: int64(i), Timestamp: now, Group: "g", MessageID: "d" + strconv.Itoa(i),
+			Attempts: 1, FirstFailure: now, LastFailure: now, Class: dlq.ClassPermanent, Error: "rejected"}
+		rec := &kgo.Record{Topic: topic, Key: []byte("k"), Value: []byte("v" + strconv.Itoa(i)), Headers: info.Headers()}
+		if err := cl.ProduceSync(t.Context(), rec).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// oncely dlq list on a topic that is not a dead-letter topic (the source
+// topic, given by mistake) stops at its first record with an error that
+// names it and exits 1, printing no rows; --skip-invalid skips such
+// records. A dead-letter topic with one stray record is refused at that
+// record, and --skip-invalid lists the valid ones.
+func TestCLIDLQRefusesATopicOfOtherRecords(t *testing.T) {
+	t.Parallel()
+	oncely := oncelyCLI(t)
+	k := testenv.NewKafka(t)
+	source := k.CreateTopic(t, "payments", 1)
+	cl := k.Client(t)
+	for i := range 500 {
+		rec := &kgo.Record{Topic: source, Value: []byte(`{"n":` + strconv.Itoa(i) + `}`)}
+		if err := cl.ProduceSync(t.Context(), rec).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	brokers := []string{"--brokers", strings.Join(k.Brokers, ",")}
+	for _, sub := range []string{"list", "show", "redrive"} {
+		args := append([]string{"dlq", sub, "--topic", source}, brokers...)
+		switch sub {
+		case "show":
+			args = append(args, "0/3")
+		case "redrive":
+			args = append(args, "--all", "--dry-run")
+		}
+		code, out, errs := oncely(t, args...)
+		if code != 1 || !strings.Contains(errs, source+" is not a dead-letter topic") || !strings.Contains(errs, source+"/0/0") ||
+			!strings.Contains(errs, "--skip-invalid") {
+			t.Errorf("dlq %s on a source topic: exit %d, stderr %q; want exit 1 naming the first record", sub, code, errs)
+		}
+		if out != "" {
+			t.Errorf("dlq %s on a source topic printed %d bytes of rows: %.200q", sub, len(out), out)
+		}
+	}
+	code, out, errs := oncely(t, append([]string{"dlq", "list", "--topic", source, "--skip-invalid"}, brokers...)...)
+	if code != 0 || !strings.Contains(out, "0 records") || !strings.Contains(errs, "skipped 500 records") {
+		t.Errorf("--skip-invalid: exit %d, %q %q", code, out, errs)
+	}
+
+	dlqTopic := k.CreateTopic(t, "orders.dlq", 1)
+	produceDeadLetters(t, cl, dlqTopic, "orders", 2)
+	if err := cl.ProduceSync(t.Context(), &kgo.Record{Topic: dlqTopic, Value: []byte("stray")}).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	produceDeadLetters(t, cl, dlqTopic, "orders", 1)
+	code, _, errs = oncely(t, append([]string{"dlq", "list", "--topic", dlqTopic}, brokers...)...)
+	if code != 1 || !strings.Contains(errs, dlqTopic+"/0/2") {
+		t.Errorf("a dead-letter topic with a stray record: exit %d, %q; want exit 1 naming %s/0/2", code, errs, dlqTopic)
+	}
+	code, out, _ = oncely(t, append([]string{"dlq", "list", "--topic", dlqTopic, "--skip-invalid"}, brokers...)...)
+	if code != 0 || !strings.Contains(out, "2 records") { // d0 and d1; the third repeats d0's identity: a copy
+		t.Errorf("--skip-invalid on a dead-letter topic: exit %d, %q", code, out)
+	}
+}
+
+var snakeKey = regexp.MustCompile(`^[a-z][a-z0-9]*(_[a-z0-9]+)*$`)
+
+// checkSnake reports every key of v (recursively) that is not snake_case;
+// the keys of "headers" are Kafka header names, data.
+func checkSnake(t *testing.T, where string, v any) {
+	t.Helper()
+	switch v := v.(type) {
+	case map[string]any:
+		for k, sub := range v {
+			if !snakeKey.MatchString(k) {
+				t.Errorf("%s: key %q is not snake_case", where, k)
+			}
+			if k != "headers" {
+				checkSnake(t, where+"."+k, sub)
+			}
+		}
+	case []any:
+		for _, sub := range v {
+			checkSnake(t, where, sub)
+		}
+	}
+}
+
+// The dlq commands' --json: JSON Lines with snake_case keys, the same
+// casing as every other oncely command.
+func TestCLIDLQJSON(t *testing.T) {
+	t.Parallel()
+	oncely := oncelyCLI(t)
+	k := testenv.NewKafka(t)
+	dlqTopic := k.CreateTopic(t, "orders.dlq", 1)
+	produceDeadLetters(t, k.Client(t), dlqTopic, "orders", 2)
+	brokers := []string{"--brokers", strings.Join(k.Brokers, ","), "--topic", dlqTopic, "--json"}
+	for _, tc := range []struct {
+		args  []string
+		lines int
+	}{
+		{[]string{"dlq", "list"}, 2},
+		{[]string{"dlq", "show", "0/1"}, 1},
+		{[]string{"dlq", "redrive", "--all", "--dry-run"}, 2},
+	} {
+		code, out, errs := oncely(t, append(tc.args, brokers...)...)
+		if code != 0 {
+			t.Fatalf("oncely %q --json: exit %d %q", tc.args, code, errs)
+		}
+		n := 0
+		for line := range strings.Lines(out) {
+			var v map[string]any
+			if err := json.Unmarshal([]byte(line), &v); err != nil {
+				t.Fatalf("oncely %q --json: %q is not a JSON object: %v", tc.args, line, err)
+			}
+			checkSnake(t, strings.Join(tc.args, " "), v)
+			n++
+		}
+		if n != tc.lines {
+			t.Errorf("oncely %q --json: %d lines, want %d:\n%s", tc.args, n, tc.lines, out)
+		}
+		if tc.args[1] == "list" && !strings.Contains(out, `"message_id":"d1"`) {
+			t.Errorf("dlq list --json does not carry info.message_id: %s", out)
+		}
 	}
 }

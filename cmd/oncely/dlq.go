@@ -151,10 +151,11 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		}
 		return printTable(stdout, entries)
 	case "show":
-		if err := parse(fs, args, stderr); err != nil {
+		pos, err := parseArgs(fs, args, stderr)
+		if err != nil {
 			return err
 		}
-		d.refs = append(d.refs, fs.Args()...)
+		d.refs = append(d.refs, pos...)
 		if len(d.refs) == 0 {
 			return usageErr("dlq show: name at least one record as partition/offset")
 		}
