@@ -3,11 +3,9 @@ package integration_test
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -292,29 +290,6 @@ func TestCLIDLQRefusesATopicOfOtherRecords(t *testing.T) {
 	}
 }
 
-var snakeKey = regexp.MustCompile(`^[a-z][a-z0-9]*(_[a-z0-9]+)*$`)
-
-// checkSnake reports every key of v (recursively) that is not snake_case;
-// the keys of "headers" are Kafka header names, data.
-func checkSnake(t *testing.T, where string, v any) {
-	t.Helper()
-	switch v := v.(type) {
-	case map[string]any:
-		for k, sub := range v {
-			if !snakeKey.MatchString(k) {
-				t.Errorf("%s: key %q is not snake_case", where, k)
-			}
-			if k != "headers" {
-				checkSnake(t, where+"."+k, sub)
-			}
-		}
-	case []any:
-		for _, sub := range v {
-			checkSnake(t, where, sub)
-		}
-	}
-}
-
 // The dlq commands' --json: JSON Lines with snake_case keys, the same
 // casing as every other oncely command.
 func TestCLIDLQJSON(t *testing.T) {
@@ -336,15 +311,7 @@ func TestCLIDLQJSON(t *testing.T) {
 		if code != 0 {
 			t.Fatalf("oncely %q --json: exit %d %q", tc.args, code, errs)
 		}
-		n := 0
-		for line := range strings.Lines(out) {
-			var v map[string]any
-			if err := json.Unmarshal([]byte(line), &v); err != nil {
-				t.Fatalf("oncely %q --json: %q is not a JSON object: %v", tc.args, line, err)
-			}
-			checkSnake(t, strings.Join(tc.args, " "), v)
-			n++
-		}
+		n := testenv.CheckJSONLines(t, strings.Join(tc.args, " "), out, "headers")
 		if n != tc.lines {
 			t.Errorf("oncely %q --json: %d lines, want %d:\n%s", tc.args, n, tc.lines, out)
 		}

@@ -151,44 +151,11 @@ func TestInboxCommands(t *testing.T) {
 	}
 }
 
-var snakeCase = regexp.MustCompile(`^[a-z][a-z0-9]*(_[a-z0-9]+)*$`)
-
-// checkKeys fails the test for every key of v (recursively) that is not
-// snake_case; the keys of "headers" are data (Kafka header names).
-func checkKeys(t *testing.T, where string, v any) {
-	t.Helper()
-	switch v := v.(type) {
-	case map[string]any:
-		for k, sub := range v {
-			if !snakeCase.MatchString(k) {
-				t.Errorf("%s: key %q is not snake_case", where, k)
-			}
-			if k != "headers" {
-				checkKeys(t, where+"."+k, sub)
-			}
-		}
-	case []any:
-		for _, sub := range v {
-			checkKeys(t, where, sub)
-		}
-	}
-}
-
 // checkJSONLines asserts that out is JSON Lines of objects with snake_case
-// keys, and returns the number of lines.
+// keys (those of "headers" are data), and returns the number of lines.
 func checkJSONLines(t *testing.T, what, out string) int {
 	t.Helper()
-	n := 0
-	for line := range strings.Lines(out) {
-		var v map[string]any
-		if err := json.Unmarshal([]byte(line), &v); err != nil {
-			t.Errorf("%s: line %q is not a JSON object: %v", what, line, err)
-			continue
-		}
-		checkKeys(t, what, v)
-		n++
-	}
-	return n
+	return testenv.CheckJSONLines(t, what, out, "headers")
 }
 
 // Every command that prints data takes --json and prints JSON Lines with
