@@ -133,6 +133,16 @@ type Config struct {
 	// casing ("Message-ID" too). Default "message-id".
 	MessageIDHeader string
 
+	// StartOffset is where the group starts reading a partition it has no
+	// committed offset for: a new group, a topic or partition added later.
+	// StartEarliest reads from the oldest record the broker still keeps, so
+	// a new group processes the topic's history; StartLatest reads only
+	// records produced after the group first got the partition. Either way
+	// a committed offset wins, and a committed offset that retention has
+	// deleted resumes at the oldest record kept (never at the end: that
+	// would skip records that still exist). Default StartEarliest.
+	StartOffset StartOffset
+
 	// InstanceID turns on static group membership: a member restarted with
 	// the same id takes its partitions back without a group-wide rebalance.
 	// Ids must be unique among the group's live members. Default: dynamic.
@@ -254,8 +264,18 @@ func invalid(field, format string, args ...any) error {
 	return fmt.Errorf("%w: %s: %s", ErrInvalidConfig, field, fmt.Sprintf(format, args...))
 }
 
+// StartOffset is Config.StartOffset.
+type StartOffset string
+
+// The values of Config.StartOffset.
+const (
+	StartEarliest StartOffset = "earliest"
+	StartLatest   StartOffset = "latest"
+)
+
 func (cfg *Config) setDefaults() {
 	cfg.Schema = cmp.Or(cfg.Schema, sqlident.DefaultSchema)
+	cfg.StartOffset = cmp.Or(cfg.StartOffset, StartEarliest)
 	cfg.MessageIDHeader = cmp.Or(cfg.MessageIDHeader, DefaultMessageIDHeader)
 	cfg.SessionTimeout = cmp.Or(cfg.SessionTimeout, 10*time.Second)
 	cfg.RebalanceTimeout = cmp.Or(cfg.RebalanceTimeout, 30*time.Second)
@@ -299,6 +319,8 @@ func (cfg *Config) validate() error {
 		return invalid("Handler", "a handler is required")
 	case cfg.BatchHandler != nil && cfg.BatchSize < 2:
 		return invalid("BatchHandler", "needs BatchSize above 1, got %d", cfg.BatchSize)
+	case cfg.StartOffset != StartEarliest && cfg.StartOffset != StartLatest:
+		return invalid("StartOffset", "%q is neither %q nor %q", cfg.StartOffset, StartEarliest, StartLatest)
 	}
 	for i, b := range cfg.Brokers {
 		if b == "" {

@@ -55,6 +55,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{"negative record limit", func(c *consumer.Config) { c.MaxRecordBytes = -1 }, "MaxRecordBytes"},
 		{"crash-loop limit below -1", func(c *consumer.Config) { c.CrashLoopLimit = -2 }, "CrashLoopLimit"},
 		{"cap below base", func(c *consumer.Config) { c.RetryBaseDelay, c.RetryMaxDelay = time.Second, time.Millisecond }, "RetryMaxDelay"},
+		{"unknown start offset", func(c *consumer.Config) { c.StartOffset = "newest" }, "StartOffset"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := valid()

@@ -203,6 +203,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.SeedBrokers(c.cfg.Brokers...),
 		kgo.ConsumerGroup(c.cfg.Group),
 		kgo.ConsumeTopics(c.cfg.Topics...),
+		kgo.ConsumeStartOffset(startOffset(c.cfg.StartOffset)),
+		// A committed offset that fell below the log start resumes at the
+		// log start: every record that still exists is processed.
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		// Records of aborted Kafka transactions never reach a handler.
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
@@ -1271,4 +1274,12 @@ func callKeyFunc(f KeyFunc, rec *kgo.Record) (id string, err error) {
 // fallbackID is the dedup id of a record without a message id.
 func (c *Consumer) fallbackID(rec *kgo.Record) string {
 	return fmt.Sprintf("%s/%d/%d", rec.Topic, rec.Partition, rec.Offset)
+}
+
+// startOffset is where a partition without a committed offset starts.
+func startOffset(s StartOffset) kgo.Offset {
+	if s == StartLatest {
+		return kgo.NewOffset().AtEnd()
+	}
+	return kgo.NewOffset().AtStart()
 }

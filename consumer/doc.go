@@ -128,6 +128,17 @@
 // the batch commits; a record rolled back to its savepoint takes its
 // messages with it.
 //
+// # Where a new group starts
+//
+// A group reads a partition from its committed offset. Where it has none (a
+// new group, or a topic or partition added later), Config.StartOffset
+// decides: StartEarliest (the default) reads from the oldest record the
+// broker keeps, so a new group processes the topic's whole retained
+// history; StartLatest reads only what is produced after the group got the
+// partition, and never sees the records before. A committed offset that
+// retention has since deleted resumes at the oldest record kept, whatever
+// StartOffset says: records that still exist are never skipped.
+//
 // # Where duplicates are possible, and why they do no harm
 //
 // Offsets are an optimisation. A record's offset is committed only after its
