@@ -690,12 +690,19 @@ func (s *soak) waitProducer(p *soakProducer) soakProduced {
 
 // soakReport is what the soak reads of `orderworker check --json`.
 type soakReport struct {
-	Delivered, DuplicatesSent, UniqueOrders, PoisonRecords int
-	Effects, InboxRows                                     int64
-	Customers                                              int
-	EventRecords, EventIDs, Republished                    int
-	DeadLettered, DeadLetterCopies                         int
-	Violations                                             []string
+	Delivered        int      `json:"delivered"`
+	DuplicatesSent   int      `json:"duplicates_sent"`
+	UniqueOrders     int      `json:"unique_orders"`
+	PoisonRecords    int      `json:"poison_records"`
+	Effects          int64    `json:"effects"`
+	InboxRows        int64    `json:"inbox_rows"`
+	Customers        int      `json:"customers"`
+	EventRecords     int      `json:"event_records"`
+	EventIDs         int      `json:"event_ids"`
+	Republished      int      `json:"republished"`
+	DeadLettered     int      `json:"dead_lettered"`
+	DeadLetterCopies int      `json:"dead_letter_copies"`
+	Violations       []string `json:"violations"`
 }
 
 // check runs `orderworker check`, straight to Postgres, once the group

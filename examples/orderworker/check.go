@@ -40,7 +40,7 @@ func checkCmd(args []string, getenv func(string) string, stdout, stderr io.Write
 	group := fs.String("group", envOr(getenv, "CONSUMER_GROUP", "orderworker"), "the workers' consumer group (env CONSUMER_GROUP)")
 	schema := fs.String("schema", envOr(getenv, "ONCELY_SCHEMA", "orderworker"), "the workers' schema (env ONCELY_SCHEMA)")
 	wait := fs.Duration("wait", 0, "first wait, up to this long, until the group's committed offsets reached the end of the topic and the outbox is empty")
-	asJSON := fs.Bool("json", false, "print the report as one JSON object, with the failed checks under \"Violations\"")
+	asJSON := fs.Bool("json", false, "print the report as one JSON object (snake_case keys), with the failed checks under \"violations\"")
 	if err := parse(fs, args); err != nil {
 		return usageExit(stderr, err)
 	}
@@ -65,7 +65,7 @@ func checkCmd(args []string, getenv func(string) string, stdout, stderr io.Write
 	if *asJSON {
 		_ = json.NewEncoder(stdout).Encode(struct {
 			*report
-			Violations []string
+			Violations []string `json:"violations"`
 		}{rep, rep.violations()})
 	} else {
 		rep.print(stdout)
@@ -125,38 +125,38 @@ func runCheck(ctx context.Context, dbURL string, brokers []string, topic, events
 // every poison record is in the dead-letter topic, whatever Kafka delivered
 // and whichever worker died.
 type report struct {
-	Delivered        int   // records produced: orders, poison records and duplicate deliveries
-	DuplicatesSent   int   // of which second deliveries of a message id
-	Crashes          int   // workers killed with SIGKILL
-	UniqueOrders     int   // orders produced
-	PoisonRecords    int   // poison records produced (distinct message ids)
-	Effects          int64 // rows in orders
-	InboxRows        int64 // the group's inbox rows (one per message id processed or dead-lettered)
-	DuplicateEffects int64 // order ids with more than one row: must be 0
-	MissingEffects   int64 // orders produced without a row: must be 0
-	Customers        int   // customers with a balance to check
-	BalanceErrors    int   // customers whose balance is not the sum of their orders: must be 0
-	Absorbed         int64 // deliveries the inbox skipped, from the last worker's log (-1: unknown)
-	LastExit         int   // exit status of the last worker: 0 after a clean SIGTERM
+	Delivered        int   `json:"delivered"`         // records produced: orders, poison records and duplicate deliveries
+	DuplicatesSent   int   `json:"duplicates_sent"`   // of which second deliveries of a message id
+	Crashes          int   `json:"crashes"`           // workers killed with SIGKILL
+	UniqueOrders     int   `json:"unique_orders"`     // orders produced
+	PoisonRecords    int   `json:"poison_records"`    // poison records produced (distinct message ids)
+	Effects          int64 `json:"effects"`           // rows in orders
+	InboxRows        int64 `json:"inbox_rows"`        // the group's inbox rows (one per message id processed or dead-lettered)
+	DuplicateEffects int64 `json:"duplicate_effects"` // order ids with more than one row: must be 0
+	MissingEffects   int64 `json:"missing_effects"`   // orders produced without a row: must be 0
+	Customers        int   `json:"customers"`         // customers with a balance to check
+	BalanceErrors    int   `json:"balance_errors"`    // customers whose balance is not the sum of their orders: must be 0
+	Absorbed         int64 `json:"absorbed"`          // deliveries the inbox skipped, from the last worker's log (-1: unknown)
+	LastExit         int   `json:"last_exit"`         // exit status of the last worker: 0 after a clean SIGTERM
 
 	// The order.accepted events, read back from Kafka (checkEvents).
-	EventsTopic      string // "": not checked
-	EventRecords     int    // order.accepted records on the topic, republishes included
-	EventIDs         int    // distinct message ids among them: must equal UniqueOrders
-	EventOrders      int    // distinct order ids among them: must equal UniqueOrders
-	Republished      int    // records whose message id came before: a relay's republish, deduped downstream
-	DuplicateEvents  int    // orders announced under more than one message id: must be 0
-	MissingEvents    int    // orders produced without an event: must be 0
-	InvalidEvents    int    // records that are not a well-formed event of a produced order: must be 0
-	OutOfOrderEvents int    // events whose seq is not their customer's previous event's plus one: must be 0
+	EventsTopic      string `json:"events_topic"`        // "": not checked
+	EventRecords     int    `json:"event_records"`       // order.accepted records on the topic, republishes included
+	EventIDs         int    `json:"event_ids"`           // distinct message ids among them: must equal UniqueOrders
+	EventOrders      int    `json:"event_orders"`        // distinct order ids among them: must equal UniqueOrders
+	Republished      int    `json:"republished"`         // records whose message id came before: a relay's republish, deduped downstream
+	DuplicateEvents  int    `json:"duplicate_events"`    // orders announced under more than one message id: must be 0
+	MissingEvents    int    `json:"missing_events"`      // orders produced without an event: must be 0
+	InvalidEvents    int    `json:"invalid_events"`      // records that are not a well-formed event of a produced order: must be 0
+	OutOfOrderEvents int    `json:"out_of_order_events"` // events whose seq is not their customer's previous event's plus one: must be 0
 
 	// The dead-letter topic, read back from Kafka (checkDeadLetters).
-	DeadLetterTopic    string // "": not checked
-	DeadLettered       int    // distinct message ids the group dead-lettered
-	DeadLetterCopies   int    // further dead-letter records of those ids (a crash between produce and inbox write)
-	PoisonMissing      int    // poison records not in the dead-letter topic: must be 0
-	OrdersDeadLettered int    // valid orders in the dead-letter topic: must be 0
-	InvalidDeadLetters int    // dead-letter records that do not decode or name no produced record: must be 0
+	DeadLetterTopic    string `json:"dead_letter_topic"`    // "": not checked
+	DeadLettered       int    `json:"dead_lettered"`        // distinct message ids the group dead-lettered
+	DeadLetterCopies   int    `json:"dead_letter_copies"`   // further dead-letter records of those ids (a crash between produce and inbox write)
+	PoisonMissing      int    `json:"poison_missing"`       // poison records not in the dead-letter topic: must be 0
+	OrdersDeadLettered int    `json:"orders_dead_lettered"` // valid orders in the dead-letter topic: must be 0
+	InvalidDeadLetters int    `json:"invalid_dead_letters"` // dead-letter records that do not decode or name no produced record: must be 0
 }
 
 // ok reports whether every order counted exactly once, and, when they were

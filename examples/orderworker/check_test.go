@@ -13,14 +13,19 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/testenv"
 )
 
 // checkOutput is what the tests read of `orderworker check --json`.
 type checkOutput struct {
-	Delivered, DuplicatesSent, UniqueOrders, PoisonRecords int
-	Effects                                                int64
-	EventIDs, DeadLettered                                 int
-	Violations                                             []string
+	Delivered      int      `json:"delivered"`
+	DuplicatesSent int      `json:"duplicates_sent"`
+	UniqueOrders   int      `json:"unique_orders"`
+	PoisonRecords  int      `json:"poison_records"`
+	Effects        int64    `json:"effects"`
+	EventIDs       int      `json:"event_ids"`
+	DeadLettered   int      `json:"dead_lettered"`
+	Violations     []string `json:"violations"`
 }
 
 // runCheckCmd runs `orderworker check` in-process against e and returns its
@@ -39,6 +44,7 @@ func (e *env) runCheckCmd(extra ...string) (int, checkOutput, string) {
 	code := run(args, getenv, &stdout, &stderr)
 	var out checkOutput
 	if stdout.Len() > 0 {
+		testenv.CheckJSONLines(e.t, "check --json", stdout.String()) // the casing of every oncely --json
 		if err := json.Unmarshal(stdout.Bytes(), &out); err != nil {
 			e.t.Fatalf("check --json printed %q: %v", stdout.String(), err)
 		}
