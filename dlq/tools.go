@@ -47,9 +47,9 @@ type Filter struct {
 	// topic/partition/offset.
 	Refs []string
 	// RefuseInvalid makes List fail with an *InvalidRecordError at the
-	// first record that is not a valid dead-letter record, whatever the
-	// other fields select: the topic is most likely not a dead-letter
-	// topic. Default false: such records are listed, with Err set, when no
+	// first record it reads that is not a valid dead-letter record,
+	// whatever the other fields select, and stop reading: the topic is most
+	// likely not a dead-letter topic. Default false: such records are listed, with Err set, when no
 	// other field selects.
 	RefuseInvalid bool
 }
@@ -97,10 +97,25 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 	if topic == "" {
 		return nil, errors.New("dlq: list: topic is empty")
 	}
-	recs, err := topicread.All(ctx, opts, topic)
+	// With RefuseInvalid the read stops at the first record that is not a
+	// dead letter: a source topic given by mistake is not read to its end.
+	var recs []*kgo.Record
+	err := topicread.Each(ctx, opts, topic, func(r *kgo.Record) error {
+		if f.RefuseInvalid {
+			if _, err := Decode(r.Headers); err != nil {
+				return &InvalidRecordError{Ref: fmt.Sprintf("%s/%d/%d", r.Topic, r.Partition, r.Offset), Err: err}
+			}
+		}
+		recs = append(recs, r)
+		return nil
+	})
+	if ie, ok := errors.AsType[*InvalidRecordError](err); ok {
+		return nil, ie
+	}
 	if err != nil {
 		return nil, fmt.Errorf("dlq: list: %w", err)
 	}
+	topicread.Sort(recs)
 
 	var out []Entry
 	seen := map[string]int{} // identity -> index in out
@@ -109,9 +124,6 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 	for _, r := range recs {
 		e := Entry{Record: r, Copies: 1}
 		e.Info, e.Err = Decode(r.Headers)
-		if e.Err != nil && f.RefuseInvalid {
-			return nil, &InvalidRecordError{Ref: e.Ref(), Err: e.Err}
-		}
 		if e.Info != nil {
 			id := fmt.Sprintf("%s\x00%s\x00%s/%d/%d", e.Info.Group, e.Info.MessageID, e.Info.Topic, e.Info.Partition, e.Info.Offset)
 			if i, dup := seen[id]; dup {

@@ -18,9 +18,32 @@ import (
 // partition, in offset order. opts configure the clients it creates (seed
 // brokers, TLS, SASL); records produced meanwhile are not waited for.
 func All(ctx context.Context, opts []kgo.Opt, topic string) ([]*kgo.Record, error) {
+	var recs []*kgo.Record
+	if err := Each(ctx, opts, topic, func(r *kgo.Record) error {
+		recs = append(recs, r)
+		return nil
+	}); err != nil {
+		return nil, err
+	}
+	Sort(recs)
+	return recs, nil
+}
+
+// Sort orders records by partition and, within a partition, by offset.
+func Sort(recs []*kgo.Record) {
+	slices.SortStableFunc(recs, func(a, b *kgo.Record) int {
+		return cmp.Or(cmp.Compare(a.Partition, b.Partition), cmp.Compare(a.Offset, b.Offset))
+	})
+}
+
+// Each calls fn with every record of topic from the start of each partition
+// to its end offset when Each was called: in offset order within a
+// partition, partitions interleaved as they are fetched. It stops at the
+// first error of fn and returns it.
+func Each(ctx context.Context, opts []kgo.Opt, topic string, fn func(*kgo.Record) error) error {
 	admin, err := kgo.NewClient(opts...)
 	if err != nil {
-		return nil, fmt.Errorf("client: %w", err)
+		return fmt.Errorf("client: %w", err)
 	}
 	defer admin.Close()
 	adm := kadm.NewClient(admin)
@@ -29,14 +52,14 @@ func All(ctx context.Context, opts []kgo.Opt, topic string) ([]*kgo.Record, erro
 		err = starts.Error()
 	}
 	if err != nil {
-		return nil, fmt.Errorf("list start offsets of %s: %w", topic, err)
+		return fmt.Errorf("list start offsets of %s: %w", topic, err)
 	}
 	ends, err := adm.ListEndOffsets(ctx, topic)
 	if err == nil {
 		err = ends.Error()
 	}
 	if err != nil {
-		return nil, fmt.Errorf("list end offsets of %s: %w", topic, err)
+		return fmt.Errorf("list end offsets of %s: %w", topic, err)
 	}
 	from := map[int32]kgo.Offset{}
 	remaining := map[int32]int64{} // partition -> end offset still to reach
@@ -47,37 +70,37 @@ func All(ctx context.Context, opts []kgo.Opt, topic string) ([]*kgo.Record, erro
 		}
 	})
 	if len(remaining) == 0 {
-		return nil, nil
+		return nil
 	}
 	cl, err := kgo.NewClient(append(slices.Clone(opts), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}))...)
 	if err != nil {
-		return nil, fmt.Errorf("client: %w", err)
+		return fmt.Errorf("client: %w", err)
 	}
 	defer cl.Close()
-	var recs []*kgo.Record
 	for len(remaining) > 0 {
 		fetches := cl.PollFetches(ctx)
 		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("read %s: %w", topic, err)
+			return fmt.Errorf("read %s: %w", topic, err)
 		}
 		var ferr error
 		fetches.EachError(func(_ string, p int32, err error) { ferr = fmt.Errorf("read %s, partition %d: %w", topic, p, err) })
 		if ferr != nil {
-			return nil, ferr
+			return ferr
 		}
+		var stop error
 		fetches.EachRecord(func(r *kgo.Record) {
 			end, ok := remaining[r.Partition]
-			if !ok || r.Offset >= end {
+			if stop != nil || !ok || r.Offset >= end {
 				return
 			}
-			recs = append(recs, r)
+			stop = fn(r)
 			if r.Offset+1 >= end {
 				delete(remaining, r.Partition)
 			}
 		})
+		if stop != nil {
+			return stop
+		}
 	}
-	slices.SortStableFunc(recs, func(a, b *kgo.Record) int {
-		return cmp.Or(cmp.Compare(a.Partition, b.Partition), cmp.Compare(a.Offset, b.Offset))
-	})
-	return recs, nil
+	return nil
 }
