@@ -103,15 +103,15 @@ func quoteKey(key string) string {
 // entry (Postgres refuses entries above about 2.7 kB).
 const maxScopeLen = 1024
 
-// checkScope reports whether a Config.Scope result can be stored as text.
+// checkScope reports whether a client name can be stored as the scope.
 func checkScope(scope string) error {
 	switch {
 	case len(scope) > maxScopeLen:
-		return fmt.Errorf("idempotency: Config.Scope returned %d bytes, the limit is %d", len(scope), maxScopeLen)
+		return fmt.Errorf("idempotency: the client name (Config.Scope or WithClient) has %d bytes, the limit is %d", len(scope), maxScopeLen)
 	case !utf8.ValidString(scope):
-		return errors.New("idempotency: Config.Scope returned invalid UTF-8")
+		return errors.New("idempotency: the client name (Config.Scope or WithClient) is not valid UTF-8")
 	case strings.IndexByte(scope, 0) >= 0:
-		return errors.New("idempotency: Config.Scope returned a NUL byte")
+		return errors.New("idempotency: the client name (Config.Scope or WithClient) contains a NUL byte")
 	}
 	return nil
 }
