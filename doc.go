@@ -11,10 +11,10 @@
 //		Relay:   &outbox.RelayConfig{},
 //	})
 //	c, err := r.AddConsumer(consumer.Config{Group: "payments", Topics: []string{"payments"}, Handler: h})
-//	keys, err := r.Idempotency(idempotency.Config{})  // its cleanup runs with the others
-//	mux.Handle("/", r.Handler())                      // GET /livez, /readyz, /metrics
+//	keys, err := r.Idempotency(idempotency.Config{Scope: account}) // keys per client; cleanup runs with the others
+//	mux.Handle("/", r.Handler())                                   // GET /livez, /readyz, /metrics
 //	r.AddServer(&http.Server{Handler: mux}, ln)
-//	err = r.Run(ctx)                                  // until ctx is done
+//	err = r.Run(ctx)                                               // until ctx is done
 //
 // # What it does
 //

@@ -18,6 +18,12 @@ import (
 	"github.com/oncely/oncely/outbox"
 )
 
+// account is the client a request's credentials prove; a real service
+// verifies them (here, a fixed table of API keys).
+func account(req *http.Request) string {
+	return map[string]string{"Bearer key-of-acme": "acme"}[req.Header.Get("Authorization")]
+}
+
 // A service with a consumer, an outbox relay and an HTTP API behind
 // Idempotency-Key, configured once and run until SIGINT.
 func Example() {
@@ -51,7 +57,10 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	keys, err := r.Idempotency(idempotency.Config{}) // its cleanup runs with the runner
+	// Keys are per client: Scope names the authenticated client of each
+	// request (a keyed request naming none gets 401). The cleanup of
+	// expired keys runs with the runner.
+	keys, err := r.Idempotency(idempotency.Config{Scope: account})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -3,6 +3,7 @@ package integration_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"os/exec"
 	"path/filepath"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/jsoncheck"
 	"github.com/oncely/oncely/internal/kafkaflags"
 	"github.com/oncely/oncely/internal/testenv"
 )
@@ -311,7 +313,7 @@ func TestCLIDLQJSON(t *testing.T) {
 		if code != 0 {
 			t.Fatalf("oncely %q --json: exit %d %q", tc.args, code, errs)
 		}
-		n := testenv.CheckJSONLines(t, strings.Join(tc.args, " "), out, "headers")
+		n := jsoncheck.CheckJSONLines(t, strings.Join(tc.args, " "), out, "headers")
 		if n != tc.lines {
 			t.Errorf("oncely %q --json: %d lines, want %d:\n%s", tc.args, n, tc.lines, out)
 		}

@@ -11,20 +11,21 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/oncely/oncely/dedup"
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/jsoncheck"
+	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/outbox"
 	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // migrateUp migrates db's schema with the CLI.
-func migrateUp(t *testing.T, db *testenv.DB) {
+func migrateUp(t *testing.T, db *pgtest.DB) {
 	t.Helper()
 	if code, out, errs := oncely(t, "migrate", "up", "--database-url", db.URL, "--schema", db.Schema); code != 0 {
 		t.Fatalf("migrate: %s %s", out, errs)
 	}
 }
 
-func newStore(t *testing.T, db *testenv.DB) *outbound.Store {
+func newStore(t *testing.T, db *pgtest.DB) *outbound.Store {
 	t.Helper()
 	store, err := outbound.NewStore(outbound.Config{Schema: db.Schema})
 	if err != nil {
@@ -37,7 +38,7 @@ func newStore(t *testing.T, db *testenv.DB) *outbound.Store {
 // (processed, from orders/3/17) and "b" (dead-lettered, ten days ago), g2
 // holds "a" (processed without coordinates) and "c" (processed eight days
 // ago).
-func seedInbox(t *testing.T, db *testenv.DB) {
+func seedInbox(t *testing.T, db *pgtest.DB) {
 	t.Helper()
 	ctx := context.Background()
 	migrateUp(t, db)
@@ -70,7 +71,7 @@ func seedInbox(t *testing.T, db *testenv.DB) {
 // the cleaner with that retention then deletes.
 func TestInboxCommands(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	seedInbox(t, db)
 	base := []string{"--database-url", db.URL, "--schema", db.Schema}
 	run := func(want int, args ...string) string {
@@ -155,7 +156,7 @@ func TestInboxCommands(t *testing.T) {
 // keys (those of "headers" are data), and returns the number of lines.
 func checkJSONLines(t *testing.T, what, out string) int {
 	t.Helper()
-	return testenv.CheckJSONLines(t, what, out, "headers")
+	return jsoncheck.CheckJSONLines(t, what, out, "headers")
 }
 
 // Every command that prints data takes --json and prints JSON Lines with
@@ -163,7 +164,7 @@ func checkJSONLines(t *testing.T, what, out string) int {
 // which need Kafka, are checked in integration_test.)
 func TestJSONEverywhere(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := context.Background()
 	base := []string{"--database-url", db.URL, "--schema", db.Schema, "--json"}
 	run := func(args ...string) string {
@@ -242,7 +243,7 @@ func TestJSONEverywhere(t *testing.T) {
 // in the table or in JSON; the rest of the URL is shown.
 func TestWebhooksStatusRedactsCredentials(t *testing.T) {
 	t.Parallel()
-	db := testenv.Postgres(t)
+	db := pgtest.Postgres(t)
 	ctx := context.Background()
 	migrateUp(t, db)
 	store := newStore(t, db)

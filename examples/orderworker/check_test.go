@@ -13,7 +13,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dlq"
-	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/jsoncheck"
 )
 
 // checkOutput is what the tests read of `orderworker check --json`.
@@ -44,7 +44,7 @@ func (e *env) runCheckCmd(extra ...string) (int, checkOutput, string) {
 	code := run(args, getenv, &stdout, &stderr)
 	var out checkOutput
 	if stdout.Len() > 0 {
-		testenv.CheckJSONLines(e.t, "check --json", stdout.String()) // the casing of every oncely --json
+		jsoncheck.CheckJSONLines(e.t, "check --json", stdout.String()) // the casing of every oncely --json
 		if err := json.Unmarshal(stdout.Bytes(), &out); err != nil {
 			e.t.Fatalf("check --json printed %q: %v", stdout.String(), err)
 		}

@@ -1,4 +1,6 @@
-package testenv
+// Package jsoncheck holds the tests' checks of the CLI's --json output:
+// JSON Lines whose keys are snake_case.
+package jsoncheck
 
 import (
 	"encoding/json"
