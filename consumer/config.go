@@ -15,7 +15,9 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/ratelog"
 	"github.com/oncely/oncely/internal/sqlident"
+	"github.com/oncely/oncely/internal/telemetry"
 )
 
 // Handler processes one message inside tx, the transaction whose first
@@ -252,8 +254,19 @@ type Config struct {
 
 	// Logger receives the consumer's logs. Default: discard.
 	Logger *slog.Logger
-	// ClientOpts are extra franz-go options (TLS, SASL, client id...),
-	// applied after oncely's own.
+	// LogInterval rate-limits the warnings that repeat while the database
+	// or the brokers are unreachable (an attempt or a batch failed on the
+	// database, a fetch error, a failed offset commit or dead-letter
+	// produce): each kind is logged at most once per LogInterval, and the
+	// line that goes out counts those held back (attribute "suppressed").
+	// Default 10s.
+	LogInterval time.Duration
+	// ClientID is the Kafka client id of the consumer's client, which also
+	// writes its dead-letter records: brokers log it and apply quotas to
+	// it. Default: InstanceID when set, else "oncely-<hostname>-<pid>".
+	ClientID string
+	// ClientOpts are extra franz-go options (TLS, SASL...), applied after
+	// oncely's own (a kgo.ClientID here wins over ClientID).
 	ClientOpts []kgo.Opt
 }
 
@@ -295,6 +308,8 @@ func (cfg *Config) setDefaults() {
 	cfg.MaxBufferedRecords = cmp.Or(cfg.MaxBufferedRecords, max(2000, 2*cfg.BatchSize))
 	cfg.MaxPollRecords = cmp.Or(cfg.MaxPollRecords, max(1000, 4*cfg.BatchSize))
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	cfg.LogInterval = cmp.Or(cfg.LogInterval, ratelog.DefaultInterval)
+	cfg.ClientID = telemetry.ClientID(cmp.Or(cfg.ClientID, cfg.InstanceID))
 	cfg.BatchSize = cmp.Or(cfg.BatchSize, 1)
 	cfg.BatchMaxWait = cmp.Or(cfg.BatchMaxWait, 5*time.Millisecond)
 	cfg.BatchLockTimeout = cmp.Or(cfg.BatchLockTimeout, 100*time.Millisecond)
@@ -343,7 +358,7 @@ func (cfg *Config) validate() error {
 		{"RetryBaseDelay", cfg.RetryBaseDelay}, {"RetryMaxDelay", cfg.RetryMaxDelay},
 		{"CommitInterval", cfg.CommitInterval}, {"RevokeTimeout", cfg.RevokeTimeout},
 		{"ShutdownTimeout", cfg.ShutdownTimeout}, {"DeadLetterTimeout", cfg.DeadLetterTimeout},
-		{"BatchMaxWait", cfg.BatchMaxWait},
+		{"BatchMaxWait", cfg.BatchMaxWait}, {"LogInterval", cfg.LogInterval},
 	} {
 		if d.v < 0 {
 			return invalid(d.field, "must not be negative, got %s", d.v)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -22,6 +23,7 @@ import (
 	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/ratelog"
 	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/internal/testhook"
@@ -43,6 +45,15 @@ type Consumer struct {
 	tracer  trace.Tracer
 	meter   metric.Meter
 	metrics *instruments
+	// outage writes the warnings that repeat while the database or the
+	// brokers are down, at most one of a kind per LogInterval.
+	outage *ratelog.Limiter
+	// inboxCount is the last exact count of the inbox (see inboxRows).
+	inboxCount struct {
+		sync.Mutex
+		at   time.Time
+		rows int64
+	}
 
 	// handler runs one record: Handler, or BatchHandler with a batch of one.
 	handler Handler
@@ -95,6 +106,7 @@ func New(cfg Config) (*Consumer, error) {
 		tracer:  telemetry.Tracer(cfg.TracerProvider),
 		meter:   meter,
 		metrics: metrics,
+		outage:  ratelog.New(cfg.Logger, cfg.LogInterval),
 	}, nil
 }
 
@@ -234,6 +246,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if c.cfg.InstanceID != "" {
 		opts = append(opts, kgo.InstanceID(c.cfg.InstanceID))
 	}
+	opts = append(opts, kgo.ClientID(c.cfg.ClientID))
 	cl, err := kgo.NewClient(append(opts, c.cfg.ClientOpts...)...)
 	if err != nil {
 		return fmt.Errorf("consumer: kafka client: %w", err)
@@ -250,7 +263,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if reg, err := r.observe(); err == nil {
 		defer func() { _ = reg.Unregister() }()
 	}
-	c.cfg.Logger.Info("oncely consumer started", "group", c.cfg.Group, "topics", c.cfg.Topics, "instance_id", c.cfg.InstanceID)
+	c.cfg.Logger.Info("oncely consumer started", "group", c.cfg.Group, "topics", c.cfg.Topics, "instance_id", c.cfg.InstanceID,
+		"client_id", c.cfg.ClientID)
 	c.polling.Store(true)
 	for pollCtx.Err() == nil {
 		fetches := cl.PollRecords(pollCtx, c.cfg.MaxPollRecords)
@@ -259,7 +273,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 		fetches.EachError(func(topic string, partition int32, err error) {
 			if !errors.Is(err, context.Canceled) {
-				c.cfg.Logger.Warn("oncely fetch error", "topic", topic, "partition", partition, "err", err)
+				c.outage.Warn(pollCtx, "oncely fetch error", "topic", topic, "partition", partition, "err", err)
 			}
 		})
 		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
@@ -513,7 +527,7 @@ func (r *run) commitLoop(ctx context.Context) {
 		case <-t.C:
 			cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 			if err := r.commit(cctx, r.snapshot()); err != nil && ctx.Err() == nil {
-				r.c.cfg.Logger.Warn("oncely offset commit failed; retrying next interval", "err", err)
+				r.c.outage.Warn(ctx, "oncely offset commit failed; retrying next interval", "err", err)
 			}
 			cancel()
 		}
@@ -881,8 +895,15 @@ func (w *worker) retry(rec *kgo.Record, prior *result) bool {
 		c.retries.Add(1)
 		c.metrics.retries.Add(w.ctx, 1, c.topicAttrs(rec))
 		delay := c.backoff.Delay(n)
-		c.cfg.Logger.Warn("oncely attempt failed; retrying", "topic", rec.Topic, "partition", rec.Partition,
-			"offset", rec.Offset, "message_id", res.id, "attempt", n, "database", res.infra, "delay", delay, "err", res.err)
+		args := []any{"topic", rec.Topic, "partition", rec.Partition,
+			"offset", rec.Offset, "message_id", res.id, "attempt", n, "database", res.infra, "delay", delay, "err", res.err}
+		if res.infra {
+			// The database is unreachable: every partition's records fail
+			// alike until it is back.
+			c.outage.Warn(w.ctx, "oncely attempt failed on the database; retrying", args...)
+		} else {
+			c.cfg.Logger.Warn("oncely attempt failed; retrying", args...)
+		}
 		if !w.sleep(delay) {
 			return false
 		}
@@ -980,7 +1001,8 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 			continue
 		}
 		delay := c.backoff.Delay(n)
-		c.cfg.Logger.Error("oncely dead-letter produce failed; partition waits", "topic", rec.Topic,
+		msg := "oncely dead-letter produce failed; partition waits"
+		c.outage.Log(w.ctx, slog.LevelError, msg, msg, "topic", rec.Topic,
 			"partition", rec.Partition, "offset", rec.Offset, "dlq_topic", topic, "delay", delay, "err", err)
 		if !w.sleep(delay) {
 			return false

@@ -169,7 +169,7 @@ func (w *worker) runBatch(b *batch) bool {
 			c.retries.Add(1)
 			c.metrics.retries.Add(w.ctx, 1, c.topicAttrs(recs[0]))
 			delay := c.backoff.Delay(n)
-			c.cfg.Logger.Warn("oncely batch failed on the database; retrying", "topic", recs[0].Topic,
+			c.outage.Warn(w.ctx, "oncely batch failed on the database; retrying", "topic", recs[0].Topic,
 				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "delay", delay, "err", err)
 			if !w.sleep(delay) {
 				return false

@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/telemetry"
 )
 
@@ -37,8 +39,8 @@ func newInstruments(m metric.Meter, cfg *Config) (*instruments, error) {
 	in.consumed, err = m.Int64Counter("messaging.client.consumed.messages", metric.WithUnit("{message}"),
 		metric.WithDescription("Records handed to a partition worker."))
 	add(err)
-	in.processDuration, err = m.Float64Histogram("messaging.process.duration", metric.WithUnit("s"),
-		metric.WithDescription("Duration of one processing attempt (transaction included)."))
+	in.processDuration, err = telemetry.DurationHistogram(m, "messaging.process.duration",
+		"Duration of one processing attempt (transaction included).")
 	add(err)
 	in.sent, err = m.Int64Counter("messaging.client.sent.messages", metric.WithUnit("{message}"),
 		metric.WithDescription("Records oncely produced (outbox relay, dead-letter writes); error.type is set when the produce failed."))
@@ -61,8 +63,8 @@ func newInstruments(m metric.Meter, cfg *Config) (*instruments, error) {
 	in.commitLag, err = m.Int64ObservableGauge("oncely.consumer.commit_lag", metric.WithUnit("{message}"),
 		metric.WithDescription("Per partition: high watermark minus the offset committed by this member."))
 	add(err)
-	in.inboxRows, err = m.Int64ObservableGauge("oncely.inbox.rows", metric.WithUnit("{row}"),
-		metric.WithDescription("Estimated rows in the inbox table (planner statistics)."))
+	in.inboxRows, err = m.Int64ObservableGauge("oncely.inbox.rows_estimate", metric.WithUnit("{row}"),
+		metric.WithDescription("Rows in the inbox table: the planner's estimate scaled to the table's size, or an exact count (at most every 30s) while the table has no statistics."))
 	add(err)
 	in.base = metric.WithAttributes(telemetry.Kafka, telemetry.MessagingConsumerGroup.String(cfg.Group))
 	if err := errors.Join(errs...); err != nil {
@@ -88,13 +90,42 @@ func (r *run) observe() (metric.Registration, error) {
 				telemetry.MessagingDestination.String(w.tp.topic),
 				telemetry.MessagingPartition.String(strconv.FormatInt(int64(w.tp.partition), 10))))
 		}
-		var rows int64
-		if err := c.cfg.Pool.QueryRow(ctx, `SELECT greatest(reltuples, 0)::bigint FROM pg_class WHERE oid = to_regclass($1)`,
-			c.cfg.Schema+".inbox").Scan(&rows); err == nil {
+		if rows, err := c.inboxRows(ctx); err == nil {
 			o.ObserveInt64(c.metrics.inboxRows, rows, metric.WithAttributes(attribute.String("db.namespace", c.cfg.Schema)))
 		}
 		return nil
 	}, c.metrics.commitLag, c.metrics.inboxRows)
+}
+
+// inboxCountInterval bounds how often inboxRows counts the inbox exactly.
+const inboxCountInterval = 30 * time.Second
+
+// inboxRows returns the inbox's row count for the rows_estimate gauge: the
+// planner's estimate (reltuples per page times the table's current pages,
+// as the planner scales it), which costs nothing. A table the planner has
+// no statistics of (never analyzed: reltuples -1; analyzed while empty: 0)
+// would read 0 however many rows it holds; it is counted exactly instead,
+// at most once per inboxCountInterval (the last count is reported between).
+func (c *Consumer) inboxRows(ctx context.Context) (int64, error) {
+	table := sqlident.Table(c.cfg.Schema, "inbox")
+	var estimate int64
+	err := c.cfg.Pool.QueryRow(ctx, `SELECT CASE WHEN reltuples > 0 AND relpages > 0
+			THEN (reltuples / relpages * (pg_relation_size(oid) / current_setting('block_size')::bigint))::bigint
+			ELSE -1 END
+		FROM pg_class WHERE oid = to_regclass($1)`, table).Scan(&estimate)
+	if err != nil || estimate >= 0 {
+		return estimate, err
+	}
+	c.inboxCount.Lock()
+	defer c.inboxCount.Unlock()
+	if !c.inboxCount.at.IsZero() && time.Since(c.inboxCount.at) < inboxCountInterval {
+		return c.inboxCount.rows, nil
+	}
+	if err := c.cfg.Pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&c.inboxCount.rows); err != nil {
+		return 0, err
+	}
+	c.inboxCount.at = time.Now()
+	return c.inboxCount.rows, nil
 }
 
 // topicAttrs are the metric attributes of a record's topic.

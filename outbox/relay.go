@@ -21,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/ratelog"
 	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/internal/testhook"
 )
@@ -34,8 +35,12 @@ type RelayConfig struct {
 	Pool *pgxpool.Pool
 	// Brokers are the seed brokers. Required.
 	Brokers []string
-	// ClientOpts are extra franz-go options (TLS, SASL...).
+	// ClientOpts are extra franz-go options (TLS, SASL...), applied after
+	// the relay's own (a kgo.ClientID here wins over ClientID).
 	ClientOpts []kgo.Opt
+	// ClientID is the Kafka client id of the relay's producer: brokers log
+	// it and apply quotas to it. Default "oncely-<hostname>-<pid>".
+	ClientID string
 
 	// BatchSize bounds the rows published per shard transaction. Default 500.
 	BatchSize int
@@ -65,6 +70,12 @@ type RelayConfig struct {
 
 	// Logger receives the relay's logs. Default: discard.
 	Logger *slog.Logger
+	// LogInterval rate-limits the warnings that repeat while the database
+	// or the brokers are unreachable (reading or publishing a shard, the
+	// notification listener, retention): each kind is logged at most once
+	// per LogInterval, and the line that goes out counts those held back
+	// (attribute "suppressed"). Default 10s.
+	LogInterval time.Duration
 }
 
 // Relay publishes committed outbox rows to Kafka.
@@ -77,6 +88,8 @@ type Relay struct {
 	tracer  trace.Tracer
 	meter   metric.Meter
 	sent    metric.Int64Counter
+	sendDur metric.Float64Histogram
+	outage  *ratelog.Limiter
 	pending metric.Int64ObservableGauge
 	oldest  metric.Float64ObservableGauge
 	parkedG metric.Int64ObservableGauge
@@ -126,6 +139,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		{"NotifyDebounce", cfg.NotifyDebounce < 0, cfg.NotifyDebounce}, {"Retention", cfg.Retention < 0, cfg.Retention},
 		{"CleanupInterval", cfg.CleanupInterval < 0, cfg.CleanupInterval}, {"CleanupBatch", cfg.CleanupBatch < 0, cfg.CleanupBatch},
 		{"RetryBaseDelay", cfg.RetryBaseDelay < 0, cfg.RetryBaseDelay}, {"RetryMaxDelay", cfg.RetryMaxDelay < 0, cfg.RetryMaxDelay},
+		{"LogInterval", cfg.LogInterval < 0, cfg.LogInterval},
 	} {
 		if f.negative {
 			return nil, fmt.Errorf("outbox: RelayConfig.%s: must not be negative, got %v", f.name, f.v)
@@ -141,6 +155,8 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	cfg.CleanupInterval = cmp.Or(cfg.CleanupInterval, time.Minute)
 	cfg.CleanupBatch = cmp.Or(cfg.CleanupBatch, 1000)
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	cfg.LogInterval = cmp.Or(cfg.LogInterval, ratelog.DefaultInterval)
+	cfg.ClientID = telemetry.ClientID(cfg.ClientID)
 	if cfg.RetryMaxDelay < cfg.RetryBaseDelay {
 		return nil, fmt.Errorf("outbox: RelayConfig.RetryMaxDelay: %s is below RetryBaseDelay %s", cfg.RetryMaxDelay, cfg.RetryBaseDelay)
 	}
@@ -154,13 +170,16 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 		metric.WithDescription("Age of the oldest unpublished outbox row: the relay's lag."))
 	parked, err4 := meter.Int64ObservableGauge("oncely.outbox.parked", metric.WithUnit("{message}"),
 		metric.WithDescription("Outbox rows the broker refused for good, waiting for `oncely outbox retry` or `discard`; later rows of their keys wait behind them."))
-	if err := errors.Join(err1, err2, err3, err4); err != nil {
+	sendDur, err5 := telemetry.DurationHistogram(meter, "messaging.client.operation.duration",
+		"Duration of the relay's produce calls, from the first record sent to the last acknowledgement.")
+	if err := errors.Join(err1, err2, err3, err4, err5); err != nil {
 		return nil, fmt.Errorf("outbox: metrics: %w", err)
 	}
 	return &Relay{
 		cfg: cfg, outbox: o,
-		tracer: telemetry.Tracer(cfg.TracerProvider), meter: meter, sent: sent, pending: pending, oldest: oldest, parkedG: parked,
+		tracer: telemetry.Tracer(cfg.TracerProvider), meter: meter, sent: sent, sendDur: sendDur, pending: pending, oldest: oldest, parkedG: parked,
 		backoff: backoff.Policy{Base: cfg.RetryBaseDelay, Max: cfg.RetryMaxDelay},
+		outage:  ratelog.New(cfg.Logger, cfg.LogInterval),
 		q: relayQueries{
 			shards: `SELECT shard FROM ` + t + ` WHERE sent_at IS NULL AND parked_at IS NULL GROUP BY shard`,
 			lock:   `SELECT pg_try_advisory_xact_lock(hashtext($1), $2)`,
@@ -213,6 +232,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		kgo.RequiredAcks(kgo.AllISRAcks()), // idempotent by default
 		kgo.RecordDeliveryTimeout(r.cfg.ProduceTimeout),
 		kgo.ProducerLinger(0),
+		kgo.ClientID(r.cfg.ClientID),
 	}, r.cfg.ClientOpts...)...)
 	if err != nil {
 		return fmt.Errorf("outbox: kafka client: %w", err)
@@ -244,7 +264,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); r.listen(bg, wake) }()
 	go func() { defer wg.Done(); r.cleanup(bg) }()
 
-	r.cfg.Logger.Info("oncely outbox relay started", "schema", r.outbox.schema, "shards", r.outbox.shards)
+	r.cfg.Logger.Info("oncely outbox relay started", "schema", r.outbox.schema, "shards", r.outbox.shards, "client_id", r.cfg.ClientID)
 	retryAt := map[int]time.Time{}
 	failures := map[int]int{}
 	poll := time.NewTimer(0)
@@ -301,7 +321,7 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 	if err != nil {
 		if ctx.Err() == nil {
 			r.dbDown.Store(true)
-			r.cfg.Logger.Warn("oncely outbox: reading pending shards failed", "err", err)
+			r.outage.Warn(ctx, "oncely outbox: reading pending shards failed", "err", err)
 		}
 		return false, time.Now().Add(r.backoff.Delay(1)), nil
 	}
@@ -329,7 +349,7 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 			if next.IsZero() || at.Before(next) {
 				next = at
 			}
-			r.cfg.Logger.Warn("oncely outbox: publishing shard failed; rows stay pending", "shard", shard,
+			r.outage.Warn(ctx, "oncely outbox: publishing shard failed; rows stay pending", "shard", shard,
 				"attempt", failures[shard], "retry_at", at, "err", err)
 			continue
 		}
@@ -401,7 +421,7 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 	}
 	if err != nil {
 		// Transient: the rows left stay pending; keep what was settled.
-		r.cfg.Logger.Warn("oncely outbox: produce failed part-way; the rest of the batch stays pending",
+		r.outage.Warn(ctx, "oncely outbox: produce failed part-way; the rest of the batch stays pending",
 			"shard", shard, "settled", len(ok)+len(park), "err", err)
 	}
 	if h := hooks.AfterProduce; h != nil {
@@ -528,8 +548,16 @@ func (r *Relay) send(ctx context.Context, cl *kgo.Client, recs []*kgo.Record, id
 		spans[j] = r.startSend(ctx, recs[i])
 	}
 	pctx, cancel := context.WithTimeout(ctx, r.cfg.ProduceTimeout)
+	start := time.Now()
 	results := cl.ProduceSync(pctx, batch...)
+	took := time.Since(start)
 	cancel()
+	durAttrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingOperationName.String("send"),
+		telemetry.MessagingOperationType.String("send")}
+	if results.FirstErr() != nil {
+		durAttrs = append(durAttrs, telemetry.ErrorType.String("produce"))
+	}
+	r.sendDur.Record(ctx, took.Seconds(), metric.WithAttributes(durAttrs...))
 	for j, res := range results {
 		attrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingDestination.String(batch[j].Topic)}
 		if res.Err != nil {
@@ -634,7 +662,7 @@ func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
 		if ctx.Err() != nil {
 			return
 		}
-		r.cfg.Logger.Warn("oncely outbox: notification listener failed; polling meanwhile", "err", err)
+		r.outage.Warn(ctx, "oncely outbox: notification listener failed; polling meanwhile", "err", err)
 		debounce(ctx, r.backoff.Delay(n))
 	}
 }
@@ -676,7 +704,7 @@ func (r *Relay) cleanup(ctx context.Context) {
 		n, err := r.outbox.DeleteSent(ctx, r.cfg.Pool, r.cfg.Retention, r.cfg.CleanupBatch)
 		r.deleted.Add(n)
 		if err != nil && ctx.Err() == nil {
-			r.cfg.Logger.Warn("oncely outbox: retention cleanup failed", "err", err)
+			r.outage.Warn(ctx, "oncely outbox: retention cleanup failed", "err", err)
 		}
 	}
 }

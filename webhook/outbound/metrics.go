@@ -53,9 +53,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		metric.WithDescription("Failed webhook attempts rescheduled for a retry."))
 	m.dead, errs[2] = m.meter.Int64Counter(MetricDead, metric.WithUnit("{delivery}"),
 		metric.WithDescription("Webhook deliveries that became dead (terminal answer, refused address, attempts exhausted)."))
-	m.duration, errs[3] = m.meter.Float64Histogram(MetricDuration, metric.WithUnit("s"),
-		metric.WithDescription("Duration of webhook requests, per attempt."),
-		metric.WithExplicitBucketBoundaries(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+	m.duration, errs[3] = telemetry.DurationHistogram(m.meter, MetricDuration, "Duration of webhook requests, per attempt.")
 	m.depth, errs[4] = m.meter.Int64ObservableGauge(MetricQueueDepth, metric.WithUnit("{delivery}"),
 		metric.WithDescription("Webhook deliveries pending or in flight, per endpoint."))
 	m.breaker, errs[5] = m.meter.Int64ObservableGauge(MetricBreakerState, metric.WithUnit("1"),

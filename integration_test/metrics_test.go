@@ -1,0 +1,322 @@
+package integration_test
+
+import (
+	"context"
+	"encoding/binary"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/oncely/oncely/internal/ratelog"
+	"github.com/oncely/oncely/internal/telemetry"
+	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/outbox"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+)
+
+// collect reads every metric from the reader, by name.
+func (tl *tel) collect(t *testing.T) map[string]metricdata.Metrics {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := tl.reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]metricdata.Metrics{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			out[m.Name] = m
+		}
+	}
+	return out
+}
+
+// checkDurationHistograms fails the test unless every histogram in ms is
+// in seconds with oncely's bucket boundaries, and names are among them.
+func checkDurationHistograms(t *testing.T, ms map[string]metricdata.Metrics, names ...string) {
+	t.Helper()
+	for _, name := range names {
+		if _, ok := ms[name]; !ok {
+			t.Errorf("no %s recorded", name)
+		}
+	}
+	for name, m := range ms {
+		h, ok := m.Data.(metricdata.Histogram[float64])
+		if !ok {
+			continue
+		}
+		if m.Unit != "s" {
+			t.Errorf("%s: unit %q, want s", name, m.Unit)
+		}
+		for _, dp := range h.DataPoints {
+			if !slices.Equal(dp.Bounds, telemetry.DurationBuckets) {
+				t.Errorf("%s: bounds %v, want %v", name, dp.Bounds, telemetry.DurationBuckets)
+			}
+			// An attempt, a produce, a request here takes well under
+			// the last bound: nothing lands in the overflow bucket.
+			if dp.Count == 0 || dp.BucketCounts[len(dp.BucketCounts)-1] != 0 {
+				t.Errorf("%s: %d observations, bucket counts %v", name, dp.Count, dp.BucketCounts)
+			}
+		}
+	}
+}
+
+// The consumer's processing and the relay's produce durations are
+// histograms in seconds with second-based buckets (the SDK's defaults are
+// meant for milliseconds: every observation fell in the first bucket).
+func TestMetricDurationHistogramsUseSecondBuckets(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	tl := newTel(t)
+	ctx := context.Background()
+	cfg := e.config("a", recordEffect("a"))
+	cfg.TracerProvider, cfg.MeterProvider = tl.tp, tl.mp
+	m := e.start(ctx, cfg)
+	relay, _ := e.startRelay(ctx, t, func(c *outbox.RelayConfig) { c.TracerProvider, c.MeterProvider = tl.tp, tl.mp })
+
+	e.produce(t, uniqueMsgs("m", 20, 2))
+	e.enqueue(t, ctx, true, outbox.Message{Topic: e.topic, Key: []byte("k"), Value: []byte("v")})
+	eventually(t, time.Minute, "records processed and the outbox row published", func() bool {
+		return m.c.Stats().Processed >= 21 && relay.Stats().Published == 1
+	})
+	checkDurationHistograms(t, tl.collect(t), "messaging.process.duration", "messaging.client.operation.duration")
+}
+
+// An inbox that was never analyzed (reltuples -1) with 22,000 rows reads
+// 22,000, not 0; once analyzed, the planner's estimate follows the table as
+// it grows, without another ANALYZE.
+func TestMetricInboxRowsNeverAnalyzed(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	tl := newTel(t)
+	ctx := context.Background()
+	if _, err := e.db.Pool.Exec(ctx, `ALTER TABLE inbox SET (autovacuum_enabled = false)`); err != nil {
+		t.Fatal(err)
+	}
+	insert := func(from, to int) {
+		t.Helper()
+		if _, err := e.db.Pool.Exec(ctx, `INSERT INTO inbox (consumer_group, message_id)
+			SELECT 'g', 'm-' || i FROM generate_series($1::int, $2::int) i`, from, to); err != nil {
+			t.Fatal(err)
+		}
+	}
+	insert(1, 22000)
+	if n := e.count(t, `SELECT reltuples::bigint FROM pg_class WHERE oid = 'inbox'::regclass`); n != -1 {
+		t.Fatalf("reltuples %d before the test, want -1 (never analyzed)", n)
+	}
+	cfg := e.config("a", recordEffect("a"))
+	cfg.MeterProvider = tl.mp
+	m := e.start(ctx, cfg)
+	gauge := func() (int64, bool) {
+		g, ok := tl.collect(t)["oncely.inbox.rows_estimate"]
+		if !ok {
+			return 0, false
+		}
+		dps := g.Data.(metricdata.Gauge[int64]).DataPoints
+		if len(dps) != 1 {
+			t.Fatalf("%d data points, want 1: %+v", len(dps), dps)
+		}
+		return dps[0].Value, true
+	}
+	var got int64
+	eventually(t, time.Minute, "the consumer running and the gauge observed", func() bool {
+		var ok bool
+		got, ok = gauge()
+		return m.c.Ready() && ok
+	})
+	if got != 22000 {
+		t.Fatalf("oncely.inbox.rows_estimate = %d with 22000 rows never analyzed, want 22000", got)
+	}
+
+	if _, err := e.db.Pool.Exec(ctx, `ANALYZE inbox`); err != nil {
+		t.Fatal(err)
+	}
+	insert(22001, 44000)
+	got, _ = gauge()
+	if got < 42000 || got > 46000 {
+		t.Fatalf("oncely.inbox.rows_estimate = %d with 44000 rows, 22000 of them analyzed, want about 44000", got)
+	}
+}
+
+// clientIDSink is a fake seed broker that records the client id of the
+// first request on each connection, then hangs up.
+func clientIDSink(t *testing.T) (addr string, ids <-chan string) {
+	t.Helper()
+	ln, err := (&net.ListenConfig{}).Listen(context.Background(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := make(chan string, 64)
+	var wg sync.WaitGroup
+	t.Cleanup(func() { _ = ln.Close(); wg.Wait() })
+	wg.Go(func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Request: size, api key, version, correlation id, client id
+			// (int16 length, then bytes).
+			var hdr [4 + 2 + 2 + 4 + 2]byte
+			if _, err := io.ReadFull(conn, hdr[:]); err == nil {
+				id := make([]byte, binary.BigEndian.Uint16(hdr[12:]))
+				if _, err := io.ReadFull(conn, id); err == nil {
+					select {
+					case ch <- string(id):
+					default:
+					}
+				}
+			}
+			_ = conn.Close()
+		}
+	})
+	return ln.Addr().String(), ch
+}
+
+// The Kafka client id of the consumer (which also writes the dead-letter
+// records) and of the relay: the consumer's instance id, a configured id,
+// or oncely-<hostname>-<pid>; never franz-go's default "kgo".
+func TestTelemetryKafkaClientID(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	host, err := os.Hostname()
+	if err != nil {
+		t.Fatal(err)
+	}
+	def := "oncely-" + host + "-" + strconv.Itoa(os.Getpid())
+	first := func(ids <-chan string) string {
+		t.Helper()
+		select {
+		case id := <-ids:
+			return id
+		case <-time.After(30 * time.Second):
+			t.Fatal("no request reached the fake broker within 30s")
+			return ""
+		}
+	}
+	for _, tc := range []struct{ name, instanceID, clientID, want string }{
+		{"default", "", "", def},
+		{"instance id", "worker-3", "", "worker-3"},
+		{"configured", "worker-3", "payments-1", "payments-1"},
+	} {
+		t.Run("consumer "+tc.name, func(t *testing.T) {
+			addr, ids := clientIDSink(t)
+			cfg := e.config("a", recordEffect("a"))
+			cfg.Brokers, cfg.InstanceID, cfg.ClientID = []string{addr}, tc.instanceID, tc.clientID
+			e.start(context.Background(), cfg)
+			if got := first(ids); got != tc.want {
+				t.Errorf("client id %q, want %q", got, tc.want)
+			}
+		})
+	}
+	for _, tc := range []struct{ name, clientID, want string }{{"default", "", def}, {"configured", "relay-1", "relay-1"}} {
+		t.Run("relay "+tc.name, func(t *testing.T) {
+			addr, ids := clientIDSink(t)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			e.startRelay(ctx, t, func(c *outbox.RelayConfig) { c.Brokers, c.ClientID = []string{addr}, tc.clientID })
+			e.enqueue(t, ctx, true, outbox.Message{Topic: e.topic, Value: []byte(tc.name)})
+			if got := first(ids); got != tc.want {
+				t.Errorf("client id %q, want %q", got, tc.want)
+			}
+		})
+	}
+}
+
+// logRecords keeps the records a logger writes.
+type logRecords struct {
+	mu   sync.Mutex
+	recs []slog.Record
+}
+
+func (l *logRecords) Enabled(context.Context, slog.Level) bool { return true }
+func (l *logRecords) Handle(_ context.Context, r slog.Record) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.recs = append(l.recs, r.Clone())
+	return nil
+}
+func (l *logRecords) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *logRecords) WithGroup(string) slog.Handler      { return l }
+
+// warnings returns the count of WARN-or-above records by message, and the
+// largest "suppressed" count a record of a message carried.
+func (l *logRecords) warnings() (count, suppressed map[string]int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	count, suppressed = map[string]int64{}, map[string]int64{}
+	for _, r := range l.recs {
+		if r.Level < slog.LevelWarn {
+			continue
+		}
+		count[r.Message]++
+		r.Attrs(func(a slog.Attr) bool {
+			if a.Key == ratelog.SuppressedKey {
+				suppressed[r.Message] = max(suppressed[r.Message], a.Value.Int64())
+			}
+			return true
+		})
+	}
+	return count, suppressed
+}
+
+// While the database is unreachable, the consumer's and the relay's
+// warnings of one kind go out once per LogInterval, however often their
+// loops fail, and the next one says how many were held back.
+func TestTelemetryOutageWarningsRateLimited(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	ctx := context.Background()
+	proxy := testenv.NewPostgresProxy(t)
+	consumerLog, relayLog := &logRecords{}, &logRecords{}
+
+	cfg := e.config("a", recordEffect("a"))
+	cfg.Pool = proxy.Pool(t, e.db.Schema, 4)
+	cfg.Logger = slog.New(consumerLog)
+	cfg.LogInterval = time.Hour // one line of a kind for the whole test
+	m := e.start(ctx, cfg)
+	relay, _ := e.startRelay(ctx, t, func(c *outbox.RelayConfig) {
+		c.Pool = proxy.Pool(t, e.db.Schema, 4)
+		c.Logger = slog.New(relayLog)
+		c.LogInterval = 100 * time.Millisecond
+	})
+	eventually(t, time.Minute, "the consumer and the relay ready", func() bool { return m.c.Ready() && relay.Ready() })
+
+	proxy.Cut()
+	e.produce(t, uniqueMsgs("m", 20, 2))
+	const failures = 60
+	eventually(t, time.Minute, "the consumer's attempts failing on the database", func() bool {
+		return m.c.Stats().Retries >= failures
+	})
+	// The relay fails every cycle too; a line after the first carries the
+	// count of those held back.
+	eventually(t, time.Minute, "a relay warning counting held-back ones", func() bool {
+		_, suppressed := relayLog.warnings()
+		return suppressed["oncely outbox: reading pending shards failed"] >= 3
+	})
+
+	count, _ := consumerLog.warnings()
+	var total int64
+	for msg, n := range count {
+		total += n
+		if n > 1 {
+			t.Errorf("%q logged %d times within one LogInterval, want once", msg, n)
+		}
+	}
+	if count["oncely attempt failed on the database; retrying"]+count["oncely batch failed on the database; retrying"] == 0 {
+		t.Errorf("no warning about the database: %v", count)
+	}
+	if total >= failures {
+		t.Errorf("%d warnings for %d failed attempts", total, failures)
+	}
+
+	proxy.Restore()
+	eventually(t, time.Minute, "every record processed after the outage", func() bool {
+		return e.count(t, `SELECT count(DISTINCT message_id) FROM effects`) == 20
+	})
+}
