@@ -101,4 +101,12 @@
 // Rows expire Config.TTL (default 24 h) after the first request began.
 // [Middleware.DeleteExpired] deletes expired rows in bounded batches, by
 // database time; [Middleware.Run] does so every Config.CleanupInterval.
+//
+// # Telemetry
+//
+// Each request of Config.Methods is an "idempotency request" span
+// (SpanRequest), the parent of the handler's spans, with its outcome:
+// stored, not_stored, replayed, conflict (409), mismatch (422), refused (with
+// the reason), failed (500), unavailable (503) or no_key. MetricRequests
+// counts requests by outcome; MetricDuration is their duration in seconds.
 package idempotency

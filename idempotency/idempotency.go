@@ -16,8 +16,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/internal/sqlident"
+	"github.com/oncely/oncely/internal/telemetry"
 )
 
 // DB is what the middleware needs from Postgres; *pgxpool.Pool satisfies it.
@@ -143,6 +146,12 @@ type Config struct {
 	CleanupInterval time.Duration
 	// Logger receives database failures and cleanup passes. Default: discard.
 	Logger *slog.Logger
+	// TracerProvider and MeterProvider instrument the middleware: a
+	// SpanRequest span per request of Methods, with its outcome (stored,
+	// replayed, conflict, mismatch...), and the MetricRequests and
+	// MetricDuration metrics. Default: the global providers.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
 }
 
 // DefaultStoreStatus records every final status below 500 except those that
@@ -167,6 +176,7 @@ type Middleware struct {
 	ttl        float64 // seconds
 	q          queries
 	hooks      hooks
+	tel        *telemetry.Requests
 }
 
 type queries struct {
@@ -256,8 +266,13 @@ func New(db DB, cfg Config) (*Middleware, error) {
 	cfg.CleanupInterval = cmp.Or(cfg.CleanupInterval, DefaultCleanupInterval)
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 
+	tel, err := newInstruments(&cfg)
+	if err != nil {
+		return nil, err
+	}
 	t := sqlident.Table(cfg.Schema, "idempotency_keys")
 	return &Middleware{
+		tel:        tel,
 		db:         db,
 		cfg:        cfg,
 		methods:    methods,
@@ -320,7 +335,19 @@ func (m *Middleware) wrap(next http.Handler, required bool) http.Handler {
 		panic("idempotency: nil handler")
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		m.serve(w, r, next, required)
+		if !m.methods[r.Method] {
+			next.ServeHTTP(w, r)
+			return
+		}
+		start := time.Now()
+		ctx, span := m.tel.Start(r.Context(), SpanRequest, attrMethod.String(r.Method))
+		// What a panic (of the handler, or the simulated crash) leaves.
+		res := result{outcome: OutcomeFailed, err: errAborted}
+		defer func() {
+			attrs, spanAttrs := res.attributes(r.Method)
+			m.tel.End(ctx, span, start, attrs, spanAttrs, res.err, res.outcome)
+		}()
+		res = m.serve(w, r.WithContext(ctx), next, required)
 	})
 }
 
@@ -367,28 +394,33 @@ type ownedTx struct{ pgx.Tx }
 func (ownedTx) Commit(context.Context) error   { return ErrTxOwned }
 func (ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 
-func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler, required bool) {
-	if !m.methods[r.Method] {
-		next.ServeHTTP(w, r)
-		return
-	}
+// errAborted is the error of a request whose handler panicked, or whose
+// connection was aborted.
+var errAborted = errors.New("idempotency: the request was aborted (a panic)")
+
+// refuse answers a request refused before its key was claimed.
+func refuse(w http.ResponseWriter, status int, reason, detail string) result {
+	problem(w, status, detail)
+	return result{outcome: OutcomeRefused, refusal: reason, status: status}
+}
+
+// serve handles a request of Config.Methods.
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler, required bool) result {
 	values := r.Header.Values(m.cfg.Header)
 	if len(values) == 0 {
 		if required {
-			problem(w, http.StatusBadRequest, "this endpoint requires an "+m.cfg.Header+" header")
-			return
+			return refuse(w, http.StatusBadRequest, RefusalMissingKey, "this endpoint requires an "+m.cfg.Header+" header")
 		}
 		next.ServeHTTP(w, r)
-		return
+		return result{outcome: OutcomeNoKey}
 	}
 	key, err := parseKey(values, m.cfg.MaxKeyLength)
 	if err != nil {
-		problem(w, http.StatusBadRequest, m.cfg.Header+": "+err.Error())
-		return
+		return refuse(w, http.StatusBadRequest, RefusalInvalidKey, m.cfg.Header+": "+err.Error())
 	}
-	scope, ok := m.scope(w, r)
+	scope, res, ok := m.scope(w, r)
 	if !ok {
-		return
+		return res
 	}
 
 	// The body is read once, bounded, hashed as received and handed to the
@@ -396,25 +428,24 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxBodyBytes))
 	if err != nil {
 		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
-			problem(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("the request body exceeds %d bytes", m.cfg.MaxBodyBytes))
-			return
+			return refuse(w, http.StatusRequestEntityTooLarge, RefusalBodyTooLarge, fmt.Sprintf("the request body exceeds %d bytes", m.cfg.MaxBodyBytes))
 		}
-		problem(w, http.StatusBadRequest, "could not read the request body")
-		return
+		return refuse(w, http.StatusBadRequest, RefusalBodyUnreadable, "could not read the request body")
 	}
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 	r.ContentLength = int64(len(body))
 	fp := fingerprint(r.Method, r.URL.EscapedPath(), !m.cfg.IgnoreQuery, r.URL.RawQuery, body)
 
-	m.run(w, r, next, scope, key, fp)
+	return m.run(w, r, next, scope, key, fp)
 }
 
 // scope returns the key space of a keyed request, or answers it and returns
-// false: 401 when it names no client, 500 when the name cannot be stored.
-func (m *Middleware) scope(w http.ResponseWriter, r *http.Request) (string, bool) {
+// what became of it and false: 401 when it names no client, 500 when the
+// name cannot be stored.
+func (m *Middleware) scope(w http.ResponseWriter, r *http.Request) (string, result, bool) {
 	if m.cfg.GlobalScope {
-		return "", true
+		return "", result{}, true
 	}
 	var scope string
 	if m.cfg.Scope != nil {
@@ -428,15 +459,15 @@ func (m *Middleware) scope(w http.ResponseWriter, r *http.Request) (string, bool
 			how = "Config.Scope returned an empty name"
 		}
 		m.cfg.Logger.InfoContext(r.Context(), "oncely idempotency: keyed request refused: it names no client", "reason", how)
-		problem(w, http.StatusUnauthorized, "the request names no client, so its "+m.cfg.Header+" cannot be scoped; authenticate")
-		return "", false
+		return "", refuse(w, http.StatusUnauthorized, RefusalNoClient,
+			"the request names no client, so its "+m.cfg.Header+" cannot be scoped; authenticate"), false
 	}
 	if err := checkScope(scope); err != nil {
 		m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: bad scope", "err", err)
 		problem(w, http.StatusInternalServerError, "the request was not processed")
-		return "", false
+		return "", result{outcome: OutcomeFailed, status: http.StatusInternalServerError, err: err}, false
 	}
-	return scope, true
+	return scope, result{}, true
 }
 
 type clientKey struct{}
@@ -471,12 +502,11 @@ func Client(ctx context.Context) (string, bool) {
 // A crash anywhere before COMMIT rolls everything back (the key too), so the
 // retry runs afresh; a crash after COMMIT leaves a row whose replay is the
 // response the client missed.
-func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, scope, key string, fp []byte) {
+func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, scope, key string, fp []byte) result {
 	ctx := r.Context()
 	tx, err := m.db.Begin(ctx)
 	if err != nil {
-		m.unavailable(w, r, "begin", err)
-		return
+		return m.unavailable(w, r, "begin", err)
 	}
 	defer rollback(ctx, tx) // runs on panics too; a no-op after Commit
 
@@ -484,17 +514,13 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	err = tx.QueryRow(ctx, m.q.claim, scope, key, fp, m.ttl, lockKey(m.cfg.Schema, scope, key)).Scan(&held, &claimed)
 	switch {
 	case isBusy(err):
-		m.inProgress(w)
-		return
+		return m.inProgress(w)
 	case err != nil:
-		m.unavailable(w, r, "claim key", err)
-		return
+		return m.unavailable(w, r, "claim key", err)
 	case !held:
-		m.inProgress(w)
-		return
+		return m.inProgress(w)
 	case !claimed:
-		m.replayStored(w, r, tx, scope, key, fp)
-		return
+		return m.replayStored(w, r, tx, scope, key, fp)
 	}
 
 	rec := newRecorder(m.cfg.MaxResponseBytes)
@@ -507,11 +533,11 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		rollback(ctx, tx)
 		m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: handler response not recorded", "err", rec.err, "limit", m.cfg.MaxResponseBytes)
 		problem(w, http.StatusInternalServerError, "the response could not be recorded; the request had no effect")
-		return
+		return result{outcome: OutcomeFailed, status: http.StatusInternalServerError, err: rec.err}
 	case !m.cfg.StoreStatus(rec.status):
 		rollback(ctx, tx)
 		rec.writeTo(w)
-		return
+		return result{outcome: OutcomeNotStored, status: rec.status}
 	case tx.Conn().PgConn().TxStatus() == 'E':
 		// A statement of the handler failed and the handler answered
 		// anyway: nothing of the transaction can commit. A refusal
@@ -519,11 +545,12 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		rollback(ctx, tx)
 		if rec.status >= 400 {
 			rec.writeTo(w)
-			return
+			return result{outcome: OutcomeNotStored, status: rec.status}
 		}
 		m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: handler answered success but its transaction failed", "status", rec.status)
 		problem(w, http.StatusInternalServerError, "the request's transaction failed; the request had no effect")
-		return
+		return result{outcome: OutcomeFailed, status: http.StatusInternalServerError,
+			err: fmt.Errorf("the handler answered %d but its transaction failed", rec.status)}
 	}
 
 	// Recording and committing run even if the client has gone away: the
@@ -545,17 +572,17 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	if err != nil {
 		// Not committed, or (a connection lost during COMMIT) unknown:
 		// either way the retry gets a fresh run or the replay.
-		m.unavailable(w, r, "record response", err)
-		return
+		return m.unavailable(w, r, "record response", err)
 	}
 	if h := m.hooks.afterCommit; h != nil && h(r) != nil {
 		panic(http.ErrAbortHandler) // the simulated crash: no response at all
 	}
 	rec.writeTo(w)
+	return result{outcome: OutcomeStored, status: rec.status}
 }
 
 // replayStored answers a request whose key is held by a committed row.
-func (m *Middleware) replayStored(w http.ResponseWriter, r *http.Request, tx pgx.Tx, scope, key string, fp []byte) {
+func (m *Middleware) replayStored(w http.ResponseWriter, r *http.Request, tx pgx.Tx, scope, key string, fp []byte) result {
 	ctx := r.Context()
 	var (
 		storedFP      []byte
@@ -567,27 +594,31 @@ func (m *Middleware) replayStored(w http.ResponseWriter, r *http.Request, tx pgx
 	rollback(ctx, tx) // release the key before writing to a possibly slow client
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		m.inProgress(w) // deleted by cleanup a moment ago: the retry runs afresh
+		return m.inProgress(w) // deleted by cleanup a moment ago: the retry runs afresh
 	case err != nil:
-		m.unavailable(w, r, "load response", err)
+		return m.unavailable(w, r, "load response", err)
 	case !bytes.Equal(storedFP, fp):
 		problem(w, http.StatusUnprocessableEntity, "this "+m.cfg.Header+" was already used for a different request (method, path, query or body differ)")
+		return result{outcome: OutcomeMismatch, status: http.StatusUnprocessableEntity}
 	case status == 0 || len(names) != len(values):
-		m.unavailable(w, r, "load response", fmt.Errorf("corrupt row: status %d, %d header names, %d values", status, len(names), len(values)))
+		return m.unavailable(w, r, "load response", fmt.Errorf("corrupt row: status %d, %d header names, %d values", status, len(names), len(values)))
 	default:
 		writeReplay(w, status, names, values, body)
+		return result{outcome: OutcomeReplayed, status: status}
 	}
 }
 
-func (m *Middleware) inProgress(w http.ResponseWriter) {
+func (m *Middleware) inProgress(w http.ResponseWriter) result {
 	w.Header().Set("Retry-After", m.retryAfter)
 	problem(w, http.StatusConflict, "a request with this "+m.cfg.Header+" is being processed; retry later")
+	return result{outcome: OutcomeConflict, status: http.StatusConflict}
 }
 
-func (m *Middleware) unavailable(w http.ResponseWriter, r *http.Request, op string, err error) {
+func (m *Middleware) unavailable(w http.ResponseWriter, r *http.Request, op string, err error) result {
 	m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: database failure", "op", op, "err", err)
 	w.Header().Set("Retry-After", m.retryAfter)
 	problem(w, http.StatusServiceUnavailable, "the request was not completed; it is safe to retry")
+	return result{outcome: OutcomeUnavailable, status: http.StatusServiceUnavailable, err: fmt.Errorf("%s: %w", op, err)}
 }
 
 // isBusy reports a lock that could not be taken at once: lock_not_available

@@ -1,23 +1,34 @@
 package integration_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/binary"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/oncely/oncely/idempotency"
 	"github.com/oncely/oncely/internal/ratelog"
 	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/outbox"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	"github.com/oncely/oncely/webhook"
 )
 
 // collect reads every metric from the reader, by name.
@@ -319,4 +330,213 @@ func TestTelemetryOutageWarningsRateLimited(t *testing.T) {
 	eventually(t, time.Minute, "every record processed after the outage", func() bool {
 		return e.count(t, `SELECT count(DISTINCT message_id) FROM effects`) == 20
 	})
+}
+
+// counts reads a counter's data points by the values of keys.
+func (tl *tel) counts(t *testing.T, name string, keys ...attribute.Key) map[string]int64 {
+	t.Helper()
+	m, ok := tl.collect(t)[name]
+	if !ok {
+		t.Fatalf("no %s recorded", name)
+	}
+	out := map[string]int64{}
+	for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+		var parts []string
+		for _, k := range keys {
+			v, _ := dp.Attributes.Value(k)
+			parts = append(parts, v.Emit())
+		}
+		out[strings.Join(parts, "/")] += dp.Value
+	}
+	return out
+}
+
+// outcomes lists the value of key on the ended spans named name.
+func (tl *tel) outcomes(name string, key attribute.Key) []string {
+	var out []string
+	for _, s := range tl.ended(name) {
+		out = append(out, attrs(s)[key].Emit())
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Every request to a webhook receiver is a span with its outcome, and is
+// counted by outcome and refusal reason: accepted, duplicate, refused (bad
+// method, body too large, missing or wrong signature) and failed (database
+// down). The stored row carries the span's trace context.
+func TestTelemetryWebhookReceiver(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	tl := newTel(t)
+	proxy := testenv.NewPostgresProxy(t)
+	_, srv := e.webhookReceiver(t, proxy.Pool(t, e.db.Schema, 4), func(c *webhook.Config) {
+		c.TracerProvider, c.MeterProvider, c.MaxBodyBytes = tl.tp, tl.mp, 1024
+	})
+	body := []byte(`{"order_id":"o-1"}`)
+	d := signWebhook(t, webhookSecret, "msg_tel_1", body, time.Now())
+	for _, c := range []struct {
+		name   string
+		status int
+		send   func() int
+	}{
+		{"accepted", 202, func() int { s, _ := d.post(t, http.MethodPost, srv.URL, true); return s }},
+		{"duplicate", 202, func() int { s, _ := d.post(t, http.MethodPost, srv.URL, true); return s }},
+		{"unsigned", 401, func() int { s, _ := d.post(t, http.MethodPost, srv.URL, false); return s }},
+		{"wrong secret", 401, func() int {
+			s, _ := signWebhook(t, "whsec_"+base64.StdEncoding.EncodeToString([]byte("another-secret-of-32-bytes-long!")), "msg_tel_2", body, time.Now()).
+				post(t, http.MethodPost, srv.URL, true)
+			return s
+		}},
+		{"method", 405, func() int { s, _ := d.post(t, http.MethodPut, srv.URL, true); return s }},
+		{"too large", 413, func() int {
+			s, _ := signWebhook(t, webhookSecret, "msg_tel_3", bytes.Repeat([]byte("x"), 2048), time.Now()).post(t, http.MethodPost, srv.URL, true)
+			return s
+		}},
+		{"database down", 503, func() int {
+			proxy.Cut()
+			defer proxy.Restore()
+			s, _ := signWebhook(t, webhookSecret, "msg_tel_4", body, time.Now()).post(t, http.MethodPost, srv.URL, true)
+			return s
+		}},
+	} {
+		if got := c.send(); got != c.status {
+			t.Fatalf("%s: answered %d, want %d", c.name, got, c.status)
+		}
+	}
+
+	want := map[string]int64{"accepted/": 1, "duplicate/": 1, "refused/missing_signature": 1, "refused/signature_mismatch": 1,
+		"refused/method": 1, "refused/body_too_large": 1, "failed/": 1}
+	if got := tl.counts(t, webhook.MetricInboundRequests, "oncely.webhook.outcome", "oncely.webhook.refusal"); !maps.Equal(got, want) {
+		t.Errorf("%s by outcome/refusal: %v, want %v", webhook.MetricInboundRequests, got, want)
+	}
+	if got, want := tl.outcomes(webhook.SpanReceive, "oncely.webhook.outcome"),
+		[]string{"accepted", "duplicate", "failed", "refused", "refused", "refused", "refused"}; !slices.Equal(got, want) {
+		t.Errorf("%s spans' outcomes %v, want %v", webhook.SpanReceive, got, want)
+	}
+	for _, s := range tl.ended(webhook.SpanReceive) {
+		a := attrs(s)
+		switch a["oncely.webhook.outcome"].Emit() {
+		case "accepted":
+			var tp string
+			if err := e.db.Pool.QueryRow(context.Background(), `SELECT convert_from(header_values[array_position(header_keys, 'traceparent')], 'UTF8')
+				FROM outbox WHERE message_id = 'msg_tel_1'`).Scan(&tp); err != nil {
+				t.Fatal(err)
+			}
+			if tp != traceparentOf(s.SpanContext()) || a["messaging.message.id"].Emit() != "msg_tel_1" ||
+				a["oncely.webhook.provider"].Emit() != webhook.ProviderStandardWebhooks || a["http.response.status_code"].AsInt64() != 202 {
+				t.Errorf("accepted span %v, stored traceparent %q", a, tp)
+			}
+		case "failed":
+			if s.Status().Code != codes.Error || a["http.response.status_code"].AsInt64() != 503 {
+				t.Errorf("failed span: status %v, attributes %v", s.Status(), a)
+			}
+		case "refused":
+			if s.Status().Code == codes.Error {
+				t.Errorf("a refusal is marked as a span error: %v", a)
+			}
+		}
+	}
+	checkDurationHistograms(t, tl.collect(t), webhook.MetricInboundDuration)
+}
+
+// Every request of the middleware's methods is a span, the handler's spans
+// its children, with its outcome, and is counted by outcome: stored,
+// replayed, mismatch, conflict, refused, not_stored. Other methods pass
+// through without either.
+func TestTelemetryIdempotency(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	tl := newTel(t)
+	entered, release := make(chan struct{}), newGate()
+	mw, err := idempotency.New(e.db.Pool, idempotency.Config{Schema: e.db.Schema, TracerProvider: tl.tp, MeterProvider: tl.mp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyed := mw.Require(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, span := tl.tp.Tracer("test").Start(r.Context(), "handler")
+		defer span.End()
+		switch r.URL.Path {
+		case "/slow":
+			entered <- struct{}{}
+			release.wait()
+		case "/fail":
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+	// The authentication in front names the client the keys belong to.
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		keyed.ServeHTTP(w, r.WithContext(idempotency.WithClient(r.Context(), "client-1")))
+	}))
+	t.Cleanup(srv.Close)
+	send := func(method, path, key, body string) int {
+		t.Helper()
+		r, err := http.NewRequestWithContext(context.Background(), method, srv.URL+path, strings.NewReader(body))
+		if err != nil {
+			t.Error(err)
+			return 0
+		}
+		if key != "" {
+			r.Header.Set("Idempotency-Key", key)
+		}
+		resp, err := http.DefaultClient.Do(r)
+		if err != nil {
+			t.Error(err)
+			return 0
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode
+	}
+
+	for _, c := range []struct {
+		method, path, key, body string
+		status                  int
+	}{
+		{"POST", "/orders", "k1", "a", 201}, // stored
+		{"POST", "/orders", "k1", "a", 201}, // replayed
+		{"POST", "/orders", "k1", "b", 422}, // mismatch
+		{"POST", "/orders", "", "a", 400},   // refused: no key
+		{"POST", "/fail", "k3", "a", 503},   // not stored
+		{"GET", "/orders", "", "", 201},     // not one of the methods
+	} {
+		if got := send(c.method, c.path, c.key, c.body); got != c.status {
+			t.Fatalf("%s %s key %q: %d, want %d", c.method, c.path, c.key, got, c.status)
+		}
+	}
+	slow := make(chan int, 1)
+	go func() { slow <- send("POST", "/slow", "k2", "a") }()
+	<-entered
+	if got := send("POST", "/slow", "k2", "a"); got != http.StatusConflict {
+		t.Fatalf("a second request while the first holds the key: %d, want 409", got)
+	}
+	release.open()
+	if got := <-slow; got != http.StatusCreated {
+		t.Fatalf("the slow request: %d, want 201", got)
+	}
+
+	want := map[string]int64{"stored/": 2, "replayed/": 1, "mismatch/": 1, "refused/missing_key": 1, "not_stored/": 1, "conflict/": 1}
+	if got := tl.counts(t, idempotency.MetricRequests, "oncely.idempotency.outcome", "oncely.idempotency.refusal"); !maps.Equal(got, want) {
+		t.Errorf("%s by outcome/refusal: %v, want %v", idempotency.MetricRequests, got, want)
+	}
+	spans := tl.ended(idempotency.SpanRequest)
+	if got, want := tl.outcomes(idempotency.SpanRequest, "oncely.idempotency.outcome"),
+		[]string{"conflict", "mismatch", "not_stored", "refused", "replayed", "stored", "stored"}; !slices.Equal(got, want) {
+		t.Errorf("%s spans' outcomes %v, want %v", idempotency.SpanRequest, got, want)
+	}
+	// The handler ran for the two stored requests, the one not stored and
+	// the GET: under the middleware's span for the first three only.
+	var parented int
+	for _, h := range tl.ended("handler") {
+		for _, s := range spans {
+			if h.Parent().SpanID() == s.SpanContext().SpanID() {
+				parented++
+			}
+		}
+	}
+	if n := len(tl.ended("handler")); n != 4 || parented != 3 {
+		t.Errorf("%d handler spans, %d of them under the middleware's span; want 4 and 3", n, parented)
+	}
+	checkDurationHistograms(t, tl.collect(t), idempotency.MetricDuration)
 }

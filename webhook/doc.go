@@ -80,4 +80,13 @@
 //
 // Several providers or endpoints whose delivery ids might collide can share
 // one outbox by giving each Receiver its own Config.IDPrefix.
+//
+// # Telemetry
+//
+// Each request is a "webhook receive" span (SpanReceive) with its outcome
+// (accepted, duplicate, refused with the reason, failed); the stored row
+// carries its trace context, which the relay and the consumers continue.
+// MetricInboundRequests counts requests by outcome and refusal reason
+// (a burst of signature_mismatch is a misconfigured secret or an attack);
+// MetricInboundDuration is their duration in seconds.
 package webhook

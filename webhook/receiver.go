@@ -15,7 +15,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
+	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/outbox"
 )
 
@@ -61,6 +64,12 @@ type Config struct {
 	StoreTimeout time.Duration
 	// Logger receives a line per refusal and failure. Default: discard.
 	Logger *slog.Logger
+	// TracerProvider and MeterProvider instrument the receiver: a
+	// SpanReceive span per request, with its outcome, and the
+	// MetricInboundRequests and MetricInboundDuration metrics. Default: the
+	// global providers.
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
 }
 
 // Kafka's rule for topic names.
@@ -91,6 +100,7 @@ func (c *Config) validate() error {
 type Receiver struct {
 	cfg    Config
 	outbox *outbox.Outbox
+	tel    *telemetry.Requests
 
 	stored, duplicates, refused, failed atomic.Int64
 }
@@ -107,7 +117,11 @@ func New(cfg Config) (*Receiver, error) {
 	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
 	cfg.StoreTimeout = cmp.Or(cfg.StoreTimeout, DefaultStoreTimeout)
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
-	return &Receiver{cfg: cfg, outbox: ob}, nil
+	tel, err := newInstruments(&cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Receiver{cfg: cfg, outbox: ob, tel: tel}, nil
 }
 
 // Stats are a Receiver's counters since it was created.
@@ -127,15 +141,25 @@ func (rc *Receiver) Stats() Stats {
 // signature and timestamp (401, or the verifier's status), then stores the
 // delivery and answers 202 after the commit, or 503 if it cannot be stored.
 func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	ctx, span := rc.tel.Start(r.Context(), SpanReceive, attrMethod.String(r.Method), telemetry.MessagingDestination.String(rc.cfg.Topic))
+	it := rc.serve(w, r.WithContext(ctx))
+	attrs, spanAttrs := it.attributes(rc.cfg.Topic)
+	rc.tel.End(ctx, span, start, attrs, spanAttrs, it.err, "store")
+}
+
+func (rc *Receiver) serve(w http.ResponseWriter, r *http.Request) intake {
 	if r.Method != http.MethodPost {
 		w.Header().Set("Allow", http.MethodPost)
-		rc.refuse(w, r, http.StatusMethodNotAllowed, "webhook: method not allowed; deliveries are POSTed", "method "+r.Method)
-		return
+		return rc.refuse(w, r, http.StatusMethodNotAllowed, RefusalMethod, "webhook: method not allowed; deliveries are POSTed", "method "+r.Method)
 	}
 	body, status, err := rc.readBody(w, r)
 	if err != nil {
-		rc.refuse(w, r, status, err.Error(), err.Error())
-		return
+		reason := RefusalBodyUnreadable
+		if status == http.StatusRequestEntityTooLarge {
+			reason = RefusalBodyTooLarge
+		}
+		return rc.refuse(w, r, status, reason, err.Error(), err.Error())
 	}
 	d, err := rc.cfg.Verifier.Verify(r, body, time.Now())
 	if err != nil {
@@ -143,18 +167,15 @@ func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		if ve, ok := errors.AsType[*Error](err); ok && ve.Status >= 400 && ve.Status < 600 {
 			status = ve.Status
 		}
-		rc.refuse(w, r, status, refusalBody(err), err.Error())
-		return
+		return rc.refuse(w, r, status, refusalOf(err), refusalBody(err), err.Error())
 	}
 	id := rc.cfg.IDPrefix + d.ID
 	switch {
 	case d.ID == "":
-		rc.refuse(w, r, http.StatusBadRequest, "webhook: "+ErrNoDeliveryID.Error(), "the verifier returned no delivery id")
-		return
+		return rc.refuse(w, r, http.StatusBadRequest, RefusalNoDeliveryID, "webhook: "+ErrNoDeliveryID.Error(), "the verifier returned no delivery id")
 	case len(id) > outbox.MaxIDLen:
 		msg := fmt.Sprintf("webhook: the delivery id is %d bytes long, over the limit of %d", len(id), outbox.MaxIDLen)
-		rc.refuse(w, r, http.StatusBadRequest, msg, msg)
-		return
+		return rc.refuse(w, r, http.StatusBadRequest, RefusalDeliveryIDTooLong, msg, msg)
 	}
 	duplicate, err := rc.store(r.Context(), id, d, body, r.Header.Get("Content-Type"))
 	if err != nil {
@@ -163,16 +184,19 @@ func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			slog.String("delivery_id", d.ID), slog.String("provider", d.Provider), slog.Any("error", err))
 		w.Header().Set("Retry-After", "5")
 		http.Error(w, "webhook: the delivery could not be stored; retry later", http.StatusServiceUnavailable)
-		return
+		return intake{outcome: OutcomeFailed, status: http.StatusServiceUnavailable, delivery: d, messageID: id, err: err}
 	}
+	outcome := OutcomeAccepted
 	if duplicate {
 		rc.duplicates.Add(1)
+		outcome = OutcomeDuplicate
 	} else {
 		rc.stored.Add(1)
 	}
 	rc.cfg.Logger.LogAttrs(r.Context(), slog.LevelDebug, "webhook: delivery accepted",
 		slog.String("delivery_id", d.ID), slog.String("provider", d.Provider), slog.Bool("duplicate", duplicate))
 	w.WriteHeader(http.StatusAccepted)
+	return intake{outcome: outcome, status: http.StatusAccepted, delivery: d, messageID: id}
 }
 
 // readBody reads the whole body within MaxBodyBytes, or returns the status
@@ -228,12 +252,14 @@ func (rc *Receiver) store(ctx context.Context, id string, d Delivery, body []byt
 }
 
 // refuse answers a 4xx status with body, which never quotes the request,
-// and logs detail, which says exactly what was wrong, at Info.
-func (rc *Receiver) refuse(w http.ResponseWriter, r *http.Request, status int, body, detail string) {
+// logs detail, which says exactly what was wrong, at Info, and returns the
+// refusal for the telemetry (reason: one of the Refusal* values).
+func (rc *Receiver) refuse(w http.ResponseWriter, r *http.Request, status int, reason, body, detail string) intake {
 	rc.refused.Add(1)
 	rc.cfg.Logger.LogAttrs(r.Context(), slog.LevelInfo, "webhook: request refused",
 		slog.Int("status", status), slog.String("reason", detail), slog.String("remote_addr", r.RemoteAddr))
 	http.Error(w, body, status)
+	return intake{outcome: OutcomeRefused, refusal: reason, status: status}
 }
 
 // reasons are the refusals whose fixed text a response may carry: they name

@@ -1,11 +1,16 @@
 package telemetry
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // DurationBuckets are the bucket boundaries, in seconds, of every oncely
@@ -44,4 +49,46 @@ func ClientID(id string) string {
 		return '-'
 	}, host)
 	return fmt.Sprintf("oncely-%s-%d", host, os.Getpid())
+}
+
+// Requests instruments a request handler (the webhook receiver, the
+// idempotency middleware): an INTERNAL span per request, a counter of
+// requests and a duration histogram, both by the request's outcome.
+type Requests struct {
+	tracer   trace.Tracer
+	count    metric.Int64Counter
+	duration metric.Float64Histogram
+}
+
+// NewRequests creates the counter (unit {request}) and the duration
+// histogram of a Requests from mp, and its tracer from tp (nil: the
+// global providers).
+func NewRequests(tp trace.TracerProvider, mp metric.MeterProvider, counter, counterDesc, histogram, histogramDesc string) (*Requests, error) {
+	m := Meter(mp)
+	count, err1 := m.Int64Counter(counter, metric.WithUnit("{request}"), metric.WithDescription(counterDesc))
+	duration, err2 := DurationHistogram(m, histogram, histogramDesc)
+	if err := errors.Join(err1, err2); err != nil {
+		return nil, err
+	}
+	return &Requests{tracer: Tracer(tp), count: count, duration: duration}, nil
+}
+
+// Start starts the INTERNAL span name of a request.
+func (rq *Requests) Start(ctx context.Context, name string, attrs ...attribute.KeyValue) (context.Context, trace.Span) {
+	return rq.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(attrs...))
+}
+
+// End counts a request that began at start and records its duration, both
+// with the attributes attrs; sets attrs and spanAttrs on span, marks it
+// failed when err is not nil (error.type errType), and ends it.
+func (rq *Requests) End(ctx context.Context, span trace.Span, start time.Time, attrs, spanAttrs []attribute.KeyValue, err error, errType string) {
+	set := metric.WithAttributeSet(attribute.NewSet(attrs...))
+	rq.count.Add(ctx, 1, set)
+	rq.duration.Record(ctx, time.Since(start).Seconds(), set)
+	span.SetAttributes(attrs...)
+	span.SetAttributes(spanAttrs...)
+	if err != nil {
+		Fail(span, err, errType)
+	}
+	span.End()
 }

@@ -1,0 +1,111 @@
+package webhook
+
+import (
+	"errors"
+	"fmt"
+
+	"go.opentelemetry.io/otel/attribute"
+
+	"github.com/oncely/oncely/internal/telemetry"
+)
+
+// Metric and span names of the Receiver.
+const (
+	// MetricInboundRequests counts requests by oncely.webhook.outcome
+	// (accepted, duplicate, refused, failed) and, for refusals,
+	// oncely.webhook.refusal (one of the Refusal* values).
+	MetricInboundRequests = "oncely.webhook.inbound.requests"
+	// MetricInboundDuration is the time from the request's arrival to its
+	// answer, by outcome (histogram, seconds).
+	MetricInboundDuration = "oncely.webhook.inbound.duration"
+	// SpanReceive is the INTERNAL span of one request, a child of the
+	// server's span when the server is instrumented: the outbox row's trace
+	// context, which the relay continues, is this span's.
+	SpanReceive = "webhook receive"
+)
+
+// Outcomes of a request (attribute oncely.webhook.outcome).
+const (
+	OutcomeAccepted  = "accepted"  // stored, answered 202
+	OutcomeDuplicate = "duplicate" // already stored, answered 202
+	OutcomeRefused   = "refused"   // answered 4xx, nothing stored
+	OutcomeFailed    = "failed"    // not stored, answered 503
+)
+
+// Reasons for a refusal (attribute oncely.webhook.refusal).
+const (
+	RefusalMethod            = "method"             // not a POST: 405
+	RefusalBodyTooLarge      = "body_too_large"     // over MaxBodyBytes: 413
+	RefusalBodyUnreadable    = "body_unreadable"    // the body could not be read: 400
+	RefusalMissingSignature  = "missing_signature"  // ErrMissingSignature
+	RefusalMalformedHeader   = "malformed_header"   // ErrMalformedHeader
+	RefusalSignatureMismatch = "signature_mismatch" // ErrSignatureMismatch
+	RefusalTimestamp         = "timestamp"          // ErrTimestamp
+	RefusalNoDeliveryID      = "no_delivery_id"     // ErrNoDeliveryID, or a verifier returning no id
+	RefusalDeliveryIDTooLong = "delivery_id_too_long"
+	RefusalVerifier          = "verifier" // a verifier's own error
+)
+
+var (
+	attrOutcome  = attribute.Key("oncely.webhook.outcome")
+	attrRefusal  = attribute.Key("oncely.webhook.refusal")
+	attrProvider = attribute.Key("oncely.webhook.provider")
+	attrStatus   = attribute.Key("http.response.status_code")
+	attrMethod   = attribute.Key("http.request.method")
+)
+
+// refusalOf names the reason of a verifier's error.
+func refusalOf(err error) string {
+	for _, r := range []struct {
+		err    error
+		reason string
+	}{
+		{ErrMissingSignature, RefusalMissingSignature}, {ErrMalformedHeader, RefusalMalformedHeader},
+		{ErrSignatureMismatch, RefusalSignatureMismatch}, {ErrTimestamp, RefusalTimestamp},
+		{ErrNoDeliveryID, RefusalNoDeliveryID},
+	} {
+		if errors.Is(err, r.err) {
+			return r.reason
+		}
+	}
+	return RefusalVerifier
+}
+
+// intake is what became of one request.
+type intake struct {
+	outcome, refusal string
+	status           int
+	delivery         Delivery // what the verifier returned, if it accepted the request
+	messageID        string
+	err              error
+}
+
+func newInstruments(cfg *Config) (*telemetry.Requests, error) {
+	rq, err := telemetry.NewRequests(cfg.TracerProvider, cfg.MeterProvider,
+		MetricInboundRequests, "Inbound webhook requests, by outcome (accepted, duplicate, refused, failed) and refusal reason.",
+		MetricInboundDuration, "Duration of inbound webhook requests, from arrival to answer, storing the delivery included.")
+	if err != nil {
+		return nil, fmt.Errorf("webhook: metrics: %w", err)
+	}
+	return rq, nil
+}
+
+// attributes returns the metric attributes of a request to topic, and the
+// span's own.
+func (it intake) attributes(topic string) (metricAttrs, spanAttrs []attribute.KeyValue) {
+	metricAttrs = []attribute.KeyValue{telemetry.MessagingDestination.String(topic), attrOutcome.String(it.outcome)}
+	if it.refusal != "" {
+		metricAttrs = append(metricAttrs, attrRefusal.String(it.refusal))
+	}
+	if it.delivery.Provider != "" {
+		metricAttrs = append(metricAttrs, attrProvider.String(it.delivery.Provider))
+	}
+	spanAttrs = []attribute.KeyValue{attrStatus.Int(it.status)}
+	if it.messageID != "" {
+		spanAttrs = append(spanAttrs, telemetry.MessagingMessageID.String(it.messageID))
+	}
+	// A refusal is the receiver doing its job, not an error of the span:
+	// its outcome and refusal attributes say why. Only a failure to store
+	// (it.err) marks the span failed.
+	return metricAttrs, spanAttrs
+}
