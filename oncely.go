@@ -367,8 +367,8 @@ func (r *Runner) Relay() *outbox.Relay { return r.relay }
 func (r *Runner) Outbox() *outbox.Outbox { return r.outbox }
 
 // Idempotency returns idempotency middleware in the runner's schema (and
-// with its logger), whose cleanup of expired keys Run runs with the other
-// cleanups.
+// with its logger and providers), whose cleanup of expired keys Run runs
+// with the other cleanups.
 func (r *Runner) Idempotency(cfg idempotency.Config) (*idempotency.Middleware, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -379,6 +379,8 @@ func (r *Runner) Idempotency(cfg idempotency.Config) (*idempotency.Middleware, e
 		return nil, err
 	}
 	cfg.Logger = cmp.Or(cfg.Logger, r.cfg.Logger)
+	cfg.TracerProvider = cmp.Or(cfg.TracerProvider, r.cfg.TracerProvider)
+	cfg.MeterProvider = cmp.Or(cfg.MeterProvider, r.cfg.MeterProvider)
 	m, err := idempotency.New(r.cfg.Pool, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
@@ -388,7 +390,7 @@ func (r *Runner) Idempotency(cfg idempotency.Config) (*idempotency.Middleware, e
 }
 
 // Webhook returns a webhook receiver that stores deliveries in the
-// runner's outbox; its Pool and Logger default to the runner's.
+// runner's outbox; its Pool, Logger and providers default to the runner's.
 func (r *Runner) Webhook(cfg webhook.Config) (*webhook.Receiver, error) {
 	if err := r.sameSchema("webhook.Config.Outbox.Schema", &cfg.Outbox.Schema); err != nil {
 		return nil, err
@@ -397,6 +399,8 @@ func (r *Runner) Webhook(cfg webhook.Config) (*webhook.Receiver, error) {
 		return nil, err
 	}
 	cfg.Logger = cmp.Or(cfg.Logger, r.cfg.Logger)
+	cfg.TracerProvider = cmp.Or(cfg.TracerProvider, r.cfg.TracerProvider)
+	cfg.MeterProvider = cmp.Or(cfg.MeterProvider, r.cfg.MeterProvider)
 	rc, err := webhook.New(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
