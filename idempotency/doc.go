@@ -107,6 +107,7 @@
 // Each request of Config.Methods is an "idempotency request" span
 // (SpanRequest), the parent of the handler's spans, with its outcome:
 // stored, not_stored, replayed, conflict (409), mismatch (422), refused (with
-// the reason), failed (500), unavailable (503) or no_key. MetricRequests
+// the reason), failed (500), unavailable (503), aborted (a panic: no answer)
+// or no_key. MetricRequests
 // counts requests by outcome; MetricDuration is their duration in seconds.
 package idempotency

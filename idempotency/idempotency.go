@@ -342,7 +342,7 @@ func (m *Middleware) wrap(next http.Handler, required bool) http.Handler {
 		start := time.Now()
 		ctx, span := m.tel.Start(r.Context(), SpanRequest, attrMethod.String(r.Method))
 		// What a panic (of the handler, or the simulated crash) leaves.
-		res := result{outcome: OutcomeFailed, err: errAborted}
+		res := result{outcome: OutcomeAborted, err: errAborted}
 		defer func() {
 			attrs, spanAttrs := res.attributes(r.Method)
 			m.tel.End(ctx, span, start, attrs, spanAttrs, res.err, res.outcome)

@@ -33,6 +33,7 @@ const (
 	OutcomeFailed      = "failed"      // the handler's response could not be recorded, or Scope failed: 500
 	OutcomeUnavailable = "unavailable" // the database failed: 503
 	OutcomeNoKey       = "no_key"      // no key, under Handler: passed through
+	OutcomeAborted     = "aborted"     // the handler panicked, or the response was aborted: no answer
 )
 
 // Reasons for a refusal (attribute oncely.idempotency.refusal).

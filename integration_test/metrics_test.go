@@ -165,7 +165,9 @@ func clientIDSink(t *testing.T) (addr string, ids <-chan string) {
 	ch := make(chan string, 64)
 	var wg sync.WaitGroup
 	t.Cleanup(func() { _ = ln.Close(); wg.Wait() })
-	wg.Go(func() {
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
 		for {
 			conn, err := ln.Accept()
 			if err != nil {
@@ -185,7 +187,7 @@ func clientIDSink(t *testing.T) (addr string, ids <-chan string) {
 			}
 			_ = conn.Close()
 		}
-	})
+	}()
 	return ln.Addr().String(), ch
 }
 
@@ -442,8 +444,8 @@ func TestTelemetryWebhookReceiver(t *testing.T) {
 
 // Every request of the middleware's methods is a span, the handler's spans
 // its children, with its outcome, and is counted by outcome: stored,
-// replayed, mismatch, conflict, refused, not_stored. Other methods pass
-// through without either.
+// replayed, mismatch, conflict, refused, not_stored, aborted. Other methods
+// pass through without either.
 func TestTelemetryIdempotency(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
@@ -463,6 +465,8 @@ func TestTelemetryIdempotency(t *testing.T) {
 		case "/fail":
 			w.WriteHeader(http.StatusServiceUnavailable)
 			return
+		case "/abort":
+			panic(http.ErrAbortHandler)
 		}
 		w.WriteHeader(http.StatusCreated)
 	}))
@@ -515,18 +519,31 @@ func TestTelemetryIdempotency(t *testing.T) {
 	if got := <-slow; got != http.StatusCreated {
 		t.Fatalf("the slow request: %d, want 201", got)
 	}
+	r, err := http.NewRequestWithContext(context.Background(), "POST", srv.URL+"/abort", strings.NewReader("a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Header.Set("Idempotency-Key", "k4")
+	// A connection of its own: Go's transport resends a request with an
+	// Idempotency-Key that fails on a reused connection.
+	fresh := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	if resp, err := fresh.Do(r); err == nil {
+		_ = resp.Body.Close()
+		t.Fatalf("a handler that aborts: answered %d, want no answer", resp.StatusCode)
+	}
 
-	want := map[string]int64{"stored/": 2, "replayed/": 1, "mismatch/": 1, "refused/missing_key": 1, "not_stored/": 1, "conflict/": 1}
+	want := map[string]int64{"stored/": 2, "replayed/": 1, "mismatch/": 1, "refused/missing_key": 1, "not_stored/": 1, "conflict/": 1, "aborted/": 1}
 	if got := tl.counts(t, idempotency.MetricRequests, "oncely.idempotency.outcome", "oncely.idempotency.refusal"); !maps.Equal(got, want) {
 		t.Errorf("%s by outcome/refusal: %v, want %v", idempotency.MetricRequests, got, want)
 	}
 	spans := tl.ended(idempotency.SpanRequest)
 	if got, want := tl.outcomes(idempotency.SpanRequest, "oncely.idempotency.outcome"),
-		[]string{"conflict", "mismatch", "not_stored", "refused", "replayed", "stored", "stored"}; !slices.Equal(got, want) {
+		[]string{"aborted", "conflict", "mismatch", "not_stored", "refused", "replayed", "stored", "stored"}; !slices.Equal(got, want) {
 		t.Errorf("%s spans' outcomes %v, want %v", idempotency.SpanRequest, got, want)
 	}
-	// The handler ran for the two stored requests, the one not stored and
-	// the GET: under the middleware's span for the first three only.
+	// The handler ran for the two stored requests, the one not stored, the
+	// aborted one and the GET: under the middleware's span for all but the
+	// GET.
 	var parented int
 	for _, h := range tl.ended("handler") {
 		for _, s := range spans {
@@ -535,8 +552,8 @@ func TestTelemetryIdempotency(t *testing.T) {
 			}
 		}
 	}
-	if n := len(tl.ended("handler")); n != 4 || parented != 3 {
-		t.Errorf("%d handler spans, %d of them under the middleware's span; want 4 and 3", n, parented)
+	if n := len(tl.ended("handler")); n != 5 || parented != 4 {
+		t.Errorf("%d handler spans, %d of them under the middleware's span; want 5 and 4", n, parented)
 	}
 	checkDurationHistograms(t, tl.collect(t), idempotency.MetricDuration)
 }

@@ -452,7 +452,9 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		// through advisory locks, so per-customer event order holds with
 		// any number of them. Its topics are created on first use where
 		// the brokers allow it.
-		Relay:           &outbox.RelayConfig{ClientOpts: []kgo.Opt{kgo.AllowAutoTopicCreation()}},
+		// Its Kafka client id is the instance id, like the consumer's
+		// (empty: oncely-<hostname>-<pid>).
+		Relay:           &outbox.RelayConfig{ClientOpts: []kgo.Opt{kgo.AllowAutoTopicCreation()}, ClientID: cfg.InstanceID},
 		ExtraConns:      httpConns,
 		ShutdownTimeout: shutdownTimeout,
 	})

@@ -44,12 +44,6 @@ func New(log *slog.Logger, interval time.Duration) *Limiter {
 	return &Limiter{log: log, interval: interval, now: time.Now, kinds: map[string]*kind{}}
 }
 
-// WithClock makes l read the time from now (for tests) and returns l.
-func (l *Limiter) WithClock(now func() time.Time) *Limiter {
-	l.now = now
-	return l
-}
-
 // Warn logs msg at WARN level unless a record of the same kind went out
 // less than an interval ago; the kind is msg itself.
 func (l *Limiter) Warn(ctx context.Context, msg string, args ...any) {

@@ -31,12 +31,17 @@ func lines(buf *bytes.Buffer) []string {
 func TestLimiterOnePerIntervalPerKind(t *testing.T) {
 	var buf bytes.Buffer
 	clk := &clock{t: time.Unix(1000, 0)}
-	l := New(slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{ReplaceAttr: dropTime})), time.Second).WithClock(clk.now)
+	l := New(slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{ReplaceAttr: dropTime})), time.Second)
+	l.now = clk.now
 	ctx := context.Background()
 
 	var wg sync.WaitGroup
 	for range 50 {
-		wg.Go(func() { l.Warn(ctx, "database down", "err", "refused") })
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			l.Warn(ctx, "database down", "err", "refused")
+		}()
 	}
 	wg.Wait()
 	l.Warn(ctx, "broker down")
