@@ -557,3 +557,39 @@ func TestTelemetryIdempotency(t *testing.T) {
 	}
 	checkDurationHistograms(t, tl.collect(t), idempotency.MetricDuration)
 }
+
+// The relay's gauges count the backlog exactly: pending and parked rows,
+// not the sent ones kept for the retention.
+func TestMetricOutboxGaugesCountTheBacklog(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	tl := newTel(t)
+	ctx := context.Background()
+	msgs := make([]outbox.Message, 1005)
+	for i := range msgs {
+		msgs[i] = outbox.Message{Topic: e.topic, Key: []byte(strconv.Itoa(i)), Value: []byte("v")}
+	}
+	e.enqueue(t, ctx, true, msgs...)
+	if _, err := e.db.Pool.Exec(ctx, `UPDATE outbox SET sent_at = now() WHERE id IN (SELECT id FROM outbox ORDER BY id LIMIT 1000)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.db.Pool.Exec(ctx, `UPDATE outbox SET parked_at = now(), error = 'test' WHERE id = (SELECT max(id) FROM outbox)`); err != nil {
+		t.Fatal(err)
+	}
+	// A broker that never answers: the relay publishes nothing.
+	addr, _ := clientIDSink(t)
+	e.startRelay(ctx, t, func(c *outbox.RelayConfig) { c.Brokers, c.MeterProvider = []string{addr}, tl.mp })
+	eventually(t, time.Minute, "the relay's gauges", func() bool {
+		_, ok := tl.gauge(t, "oncely.outbox.pending")
+		return ok
+	})
+	pending, _ := tl.gauge(t, "oncely.outbox.pending")
+	parked, _ := tl.gauge(t, "oncely.outbox.parked")
+	if pending != 4 || parked != 1 {
+		t.Errorf("oncely.outbox.pending %d, oncely.outbox.parked %d; want 4 and 1 (1000 sent rows not counted)", pending, parked)
+	}
+	oldest := tl.collect(t)["oncely.outbox.oldest_pending_age"].Data.(metricdata.Gauge[float64]).DataPoints
+	if len(oldest) != 1 || oldest[0].Value <= 0 {
+		t.Errorf("oncely.outbox.oldest_pending_age %+v, want one positive value", oldest)
+	}
+}

@@ -99,7 +99,7 @@ type Relay struct {
 }
 
 type relayQueries struct {
-	shards, lock, selectBatch, markSent, park string
+	shards, lock, selectBatch, markSent, park, backlog string
 }
 
 // RelayStats are a relay's counters.
@@ -191,6 +191,13 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 					AND p.id < o.id AND p.topic = o.topic AND p.key = o.key)
 				ORDER BY id LIMIT $2`,
 			markSent: `UPDATE ` + t + ` SET sent_at = now() WHERE id = ANY($1)`,
+			// The gauges' exact counts read the unsent rows only, through
+			// the partial indexes: the cost follows the backlog, not the
+			// sent rows kept for the retention (Status counts those too).
+			backlog: `SELECT
+				(SELECT count(*) FROM ` + t + ` WHERE sent_at IS NULL AND parked_at IS NULL),
+				(SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 FROM ` + t + ` WHERE sent_at IS NULL AND parked_at IS NULL),
+				(SELECT count(*) FROM ` + t + ` WHERE parked_at IS NOT NULL AND sent_at IS NULL)`,
 			park: `UPDATE ` + t + ` o SET parked_at = now(), error = e.error
 				FROM unnest($1::bigint[], $2::text[]) AS e(id, error) WHERE o.id = e.id`,
 		},
@@ -242,14 +249,15 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer r.running.Store(false)
 	hooks := testhook.RelayFrom(ctx)
 	if reg, err := r.meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
-		st, err := r.outbox.Status(ctx, r.cfg.Pool)
-		if err != nil {
-			return err
+		var pending, parked int64
+		var oldest float64
+		if err := r.cfg.Pool.QueryRow(ctx, r.q.backlog).Scan(&pending, &oldest, &parked); err != nil {
+			return fmt.Errorf("outbox: gauges: %w", err)
 		}
 		attrs := metric.WithAttributes(attribute.String("db.namespace", r.outbox.schema))
-		o.ObserveInt64(r.pending, st.Pending, attrs)
-		o.ObserveFloat64(r.oldest, st.OldestPending.Seconds(), attrs)
-		o.ObserveInt64(r.parkedG, st.Parked, attrs)
+		o.ObserveInt64(r.pending, pending, attrs)
+		o.ObserveFloat64(r.oldest, oldest, attrs)
+		o.ObserveInt64(r.parkedG, parked, attrs)
 		return nil
 	}, r.pending, r.oldest, r.parkedG); err == nil {
 		defer func() { _ = reg.Unregister() }()
