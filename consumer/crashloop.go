@@ -233,7 +233,7 @@ func (w *worker) untilDone(stmt func(ctx context.Context) error) bool {
 			return false
 		}
 		w.databaseDown(true)
-		c.cfg.Logger.Warn("oncely partition owner statement failed; retrying", "topic", w.tp.topic, "partition", w.tp.partition, "err", err)
+		c.outage.Warn(w.ctx, "oncely partition owner statement failed; retrying", "topic", w.tp.topic, "partition", w.tp.partition, "err", err)
 		if !w.sleep(c.backoff.Delay(n)) {
 			return false
 		}

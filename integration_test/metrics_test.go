@@ -23,6 +23,7 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/oncely/oncely"
 	"github.com/oncely/oncely/idempotency"
 	"github.com/oncely/oncely/internal/ratelog"
 	"github.com/oncely/oncely/internal/telemetry"
@@ -298,10 +299,14 @@ func TestTelemetryOutageWarningsRateLimited(t *testing.T) {
 		c.Logger = slog.New(relayLog)
 		c.LogInterval = 100 * time.Millisecond
 	})
-	eventually(t, time.Minute, "the consumer and the relay ready", func() bool { return m.c.Ready() && relay.Ready() })
+	// Records before the outage: the partitions' workers are running.
+	e.produce(t, uniqueMsgs("before", 20, 2))
+	eventually(t, time.Minute, "the first records processed, the relay ready", func() bool {
+		return m.c.Stats().Processed == 20 && m.c.Ready() && relay.Ready()
+	})
 
 	proxy.Cut()
-	e.produce(t, uniqueMsgs("m", 20, 2))
+	e.produce(t, uniqueMsgs("during", 20, 2))
 	const failures = 60
 	eventually(t, time.Minute, "the consumer's attempts failing on the database", func() bool {
 		return m.c.Stats().Retries >= failures
@@ -330,7 +335,7 @@ func TestTelemetryOutageWarningsRateLimited(t *testing.T) {
 
 	proxy.Restore()
 	eventually(t, time.Minute, "every record processed after the outage", func() bool {
-		return e.count(t, `SELECT count(DISTINCT message_id) FROM effects`) == 20
+		return e.count(t, `SELECT count(DISTINCT message_id) FROM effects`) == 40
 	})
 }
 
@@ -591,5 +596,61 @@ func TestMetricOutboxGaugesCountTheBacklog(t *testing.T) {
 	oldest := tl.collect(t)["oncely.outbox.oldest_pending_age"].Data.(metricdata.Gauge[float64]).DataPoints
 	if len(oldest) != 1 || oldest[0].Value <= 0 {
 		t.Errorf("oncely.outbox.oldest_pending_age %+v, want one positive value", oldest)
+	}
+}
+
+// The runner hands its providers to the webhook receivers and idempotency
+// middleware it creates, as to its consumers and relay.
+func TestTelemetryRunnerInstrumentsHTTPComponents(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	tl := newTel(t)
+	r, err := oncely.New(oncely.Config{Pool: e.db.Pool, Schema: e.db.Schema, Brokers: e.kafka.Brokers,
+		TracerProvider: tl.tp, MeterProvider: tl.mp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := r.Idempotency(idempotency.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := webhook.NewStandardWebhooks(webhook.VerifierConfig{Secrets: []string{webhookSecret}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc, err := r.Webhook(webhook.Config{Topic: e.topic, Verifier: v})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyed := mw.Require(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusCreated) }))
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		keyed.ServeHTTP(w, r.WithContext(idempotency.WithClient(r.Context(), "client-1")))
+	}))
+	t.Cleanup(api.Close)
+	hooks := httptest.NewServer(rc)
+	t.Cleanup(hooks.Close)
+
+	req, err := http.NewRequestWithContext(context.Background(), "POST", api.URL, strings.NewReader("a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Idempotency-Key", "k1")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil || resp.StatusCode != http.StatusCreated {
+		t.Fatalf("POST with a key: %v, %v", resp, err)
+	}
+	_ = resp.Body.Close()
+	if s, _ := signWebhook(t, webhookSecret, "msg_runner_1", []byte(`{}`), time.Now()).post(t, http.MethodPost, hooks.URL, true); s != http.StatusAccepted {
+		t.Fatalf("webhook delivery: %d, want 202", s)
+	}
+
+	if got := tl.counts(t, idempotency.MetricRequests, "oncely.idempotency.outcome"); got["stored"] != 1 {
+		t.Errorf("%s %v, want one stored", idempotency.MetricRequests, got)
+	}
+	if got := tl.counts(t, webhook.MetricInboundRequests, "oncely.webhook.outcome"); got["accepted"] != 1 {
+		t.Errorf("%s %v, want one accepted", webhook.MetricInboundRequests, got)
+	}
+	if n, m := len(tl.ended(idempotency.SpanRequest)), len(tl.ended(webhook.SpanReceive)); n != 1 || m != 1 {
+		t.Errorf("%d %q and %d %q spans, want one of each", n, idempotency.SpanRequest, m, webhook.SpanReceive)
 	}
 }
