@@ -16,7 +16,10 @@ import (
 // All returns every record of topic from the start of each partition to its
 // end offset when All was called, in partition order and, within a
 // partition, in offset order. opts configure the clients it creates (seed
-// brokers, TLS, SASL); records produced meanwhile are not waited for.
+// brokers, TLS, SASL, the isolation level); records produced meanwhile are
+// not waited for. Transaction markers are not returned, but count as read: a
+// partition that ends with one (or, read committed, with an aborted
+// transaction) is read to its end all the same.
 func All(ctx context.Context, opts []kgo.Opt, topic string) ([]*kgo.Record, error) {
 	var recs []*kgo.Record
 	if err := Each(ctx, opts, topic, func(r *kgo.Record) error {
@@ -38,8 +41,9 @@ func Sort(recs []*kgo.Record) {
 
 // Each calls fn with every record of topic from the start of each partition
 // to its end offset when Each was called: in offset order within a
-// partition, partitions interleaved as they are fetched. It stops at the
-// first error of fn and returns it.
+// partition, partitions interleaved as they are fetched. Transaction markers
+// are not passed to fn, but count as read (see All). It stops at the first
+// error of fn and returns it.
 func Each(ctx context.Context, opts []kgo.Opt, topic string, fn func(*kgo.Record) error) error {
 	admin, err := kgo.NewClient(opts...)
 	if err != nil {
@@ -72,7 +76,8 @@ func Each(ctx context.Context, opts []kgo.Opt, topic string, fn func(*kgo.Record
 	if len(remaining) == 0 {
 		return nil
 	}
-	cl, err := kgo.NewClient(append(slices.Clone(opts), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}))...)
+	cl, err := kgo.NewClient(append(slices.Clone(opts), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}),
+		kgo.KeepControlRecords())...)
 	if err != nil {
 		return fmt.Errorf("client: %w", err)
 	}
@@ -93,7 +98,9 @@ func Each(ctx context.Context, opts []kgo.Opt, topic string, fn func(*kgo.Record
 			if stop != nil || !ok || r.Offset >= end {
 				return
 			}
-			stop = fn(r)
+			if !r.Attrs.IsControl() {
+				stop = fn(r)
+			}
 			if r.Offset+1 >= end {
 				delete(remaining, r.Partition)
 			}
