@@ -15,6 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
 )
 
 // orderSpec describes a batch of random orders.
@@ -48,6 +49,12 @@ type delivery struct {
 	Duplicate bool   // a second delivery of a record produced before
 	// byCustomer keys the record by its customer, not its order id.
 	byCustomer bool
+
+	// Set by the history check, which reads deliveries back from Kafka.
+	At    string      // where it was read: topic/partition/offset
+	Class dlq.Class   // a poison record's dead-letter class: undecodable or permanent
+	rawID string      // its message-id header, which the dedup id is unless Postgres text cannot hold it
+	src   *kgo.Record // the record itself
 }
 
 // orderBatch is what a producer sent: each order once, the message ids of
@@ -58,6 +65,13 @@ type orderBatch struct {
 	Poison     []string
 	Deliveries []delivery
 	Duplicates int
+
+	// Set by the history check.
+	Aborted         []delivery // records of aborted Kafka transactions, which no consumer may see
+	Transactional   int        // deliveries from committed Kafka transactions
+	Unstorable      int        // poison records whose message id Postgres text cannot hold
+	NearLimitOrders int        // orders within nearLimit bytes of the topic's max.message.bytes
+	NearLimitPoison int        // poison records as close to it
 }
 
 // balances is what customer_balances must hold once every order of the
