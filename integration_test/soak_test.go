@@ -104,12 +104,18 @@ var soakDelayedKeys = []kmsg.Key{kmsg.Fetch, kmsg.Produce, kmsg.OffsetCommit, km
 // driver kills them with SIGKILL and restarts them, stops others with
 // SIGTERM, drops and delays broker requests, moves group coordinators and
 // partition leaders, terminates the workers' database sessions, and stalls
-// and cuts their connections. Then it checks the whole history with
-// `orderworker check`: every valid order applied exactly once, balances
-// equal to the sums, every poison record in the dead-letter topic and no
-// valid order, one event per order under one stable message id, each
-// customer's events in order. It prints its figures and fails on any
-// violation, naming the seed that replays its schedule.
+// and cuts their connections. An injector adds the poison that must not
+// stop a partition or the outbox (soakInjectKinds): message ids Postgres
+// cannot store, records just under the topic's size limit, aborted and
+// committed Kafka transactions, orders whose event the broker refuses.
+// Then it checks the whole history with `orderworker check`: every valid
+// order applied exactly once, balances equal to the sums, every poison
+// record in the dead-letter topic with its class (a stub where the copy is
+// too large) and no valid order, nothing of an aborted transaction applied,
+// one event per order under one stable message id or, for an event too
+// large, a parked outbox row, each customer's events in order. It prints
+// its figures and fails on any violation, naming the seed that replays its
+// schedule.
 //
 // It runs only with ONCELY_SOAK=1 (make test-soak).
 func TestSoak(t *testing.T) {
@@ -136,9 +142,11 @@ func TestSoak(t *testing.T) {
 		loops.Go(func() { s.supervise(chaosCtx, w) })
 	}
 	producer := s.startProducer()
+	injected := s.startInjector(chaosCtx)
 	loops.Go(func() { s.processChaos(chaosCtx) })
 	loops.Go(func() { s.infraChaos(chaosCtx) })
 	loops.Wait()
+	injected.wait(s)
 	s.appliedInChaos = s.countOrders()
 
 	// Calm: no more faults; every worker up; the producer done; then the
@@ -162,8 +170,8 @@ func TestSoak(t *testing.T) {
 	if checkErr != nil {
 		t.Fatalf("soak: the check did not run: %v", checkErr)
 	}
-	s.crossCheck(produced, rep)
-	s.report(rep)
+	s.crossCheck(produced, injected, rep)
+	s.report(rep, injected)
 }
 
 func soakSettings(t *testing.T) (time.Duration, uint64) {
@@ -262,6 +270,7 @@ func newSoak(t *testing.T, duration time.Duration, seed uint64) *soak {
 	for _, tp := range s.topics {
 		ids[tp.name] = k.CreateTopicNamed(t, tp.name, tp.partitions)
 	}
+	s.limitTopics(k.Client(t))
 	// Produce faults meet the workers' relays and dead-letter writes, not
 	// the producer of the orders.
 	faultTopics := map[string][16]byte{soakEvents: ids[soakEvents], dlq.DefaultTopic(soakTopic): ids[dlq.DefaultTopic(soakTopic)]}
@@ -700,8 +709,15 @@ type soakReport struct {
 	EventRecords     int      `json:"event_records"`
 	EventIDs         int      `json:"event_ids"`
 	Republished      int      `json:"republished"`
+	EventsParked     int      `json:"events_parked"`
 	DeadLettered     int      `json:"dead_lettered"`
 	DeadLetterCopies int      `json:"dead_letter_copies"`
+	DeadLetterStubs  int      `json:"dead_letter_stubs"`
+	Transactional    int      `json:"transactional"`
+	AbortedRecords   int      `json:"aborted_records"`
+	UnstorableIDs    int      `json:"unstorable_ids"`
+	NearLimitOrders  int      `json:"near_limit_orders"`
+	NearLimitPoison  int      `json:"near_limit_poison"`
 	Violations       []string `json:"violations"`
 }
 
@@ -730,15 +746,24 @@ func (s *soak) check() (*soakReport, error) {
 	return &rep, nil
 }
 
-// crossCheck compares what the producer says it sent with what the check
-// read back from the orders topic and took for orders and poison records.
-func (s *soak) crossCheck(p soakProduced, rep *soakReport) {
+// crossCheck compares what the producer and the injector say they sent
+// with what the check read back from the orders topic and took for orders
+// and poison records of each kind, and with what it found dead-lettered as
+// stubs and parked.
+func (s *soak) crossCheck(p soakProduced, in *soakInjected, rep *soakReport) {
 	for _, c := range []struct {
 		what           string
 		produced, read int
 	}{
-		{"records", p.records, rep.Delivered}, {"orders", p.orders, rep.UniqueOrders},
-		{"poison records", p.poison, rep.PoisonRecords}, {"duplicate deliveries", p.duplicates, rep.DuplicatesSent},
+		{"records", p.records + in.records, rep.Delivered}, {"orders", p.orders + in.orders, rep.UniqueOrders},
+		{"poison records", p.poison + in.poison, rep.PoisonRecords}, {"duplicate deliveries", p.duplicates, rep.DuplicatesSent},
+		{"records of committed transactions", in.transactional, rep.Transactional},
+		{"records of aborted transactions", in.aborted, rep.AbortedRecords},
+		{"message ids Postgres cannot store", in.unstorable, rep.UnstorableIDs},
+		{"orders near the size limit", in.nearOrders, rep.NearLimitOrders},
+		{"poison records near the size limit", in.nearPoison, rep.NearLimitPoison},
+		{"dead letters written as stubs (poison records near the size limit)", in.nearPoison, rep.DeadLetterStubs},
+		{"events parked (orders whose event is over the limit)", in.bigEvents, rep.EventsParked},
 	} {
 		if c.produced != c.read {
 			s.violation("%s: the producer sent %d, the check read %d", c.what, c.produced, c.read)
@@ -748,7 +773,7 @@ func (s *soak) crossCheck(p soakProduced, rep *soakReport) {
 
 // report prints the figures and fails the test on a violation, or if the
 // run did not exercise what it must.
-func (s *soak) report(rep *soakReport) {
+func (s *soak) report(rep *soakReport, in *soakInjected) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	t := s.t
@@ -782,7 +807,12 @@ func (s *soak) report(rep *soakReport) {
 	fmt.Fprintf(&b, "  caught up and checked       %s after the chaos\n", s.settled.Round(time.Millisecond))
 	fmt.Fprintf(&b, "  order.accepted events       %d (%d message ids + %d republished)\n",
 		rep.EventRecords, rep.EventIDs, rep.Republished)
-	fmt.Fprintf(&b, "  dead-lettered               %d (+ %d copies)\n", rep.DeadLettered, rep.DeadLetterCopies)
+	fmt.Fprintf(&b, "  dead-lettered               %d (+ %d copies; %d stubs)\n", rep.DeadLettered, rep.DeadLetterCopies, rep.DeadLetterStubs)
+	fmt.Fprintf(&b, "  events parked               %d\n", rep.EventsParked)
+	fmt.Fprintf(&b, "  poison injected             %d records read committed (+ %d aborted); rounds by kind:\n", in.records, in.aborted)
+	for _, k := range soakInjectKinds {
+		fmt.Fprintf(&b, "    %-80s %d\n", k, in.rounds[k])
+	}
 	fmt.Fprintf(&b, "  violations found            %d\n", len(s.violations))
 	for _, v := range s.violations {
 		fmt.Fprintf(&b, "    %s\n", v)
@@ -801,6 +831,11 @@ func (s *soak) report(rep *soakReport) {
 	for _, k := range soakFaultKinds {
 		if s.faults[k] == 0 {
 			t.Errorf("soak: no %s: that fault kind was never exercised", k)
+		}
+	}
+	for _, k := range soakInjectKinds {
+		if in.rounds[k] == 0 {
+			t.Errorf("soak: no %s injected: that poison kind was never exercised", k)
 		}
 	}
 }
