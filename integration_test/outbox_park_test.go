@@ -173,6 +173,62 @@ func TestRelayParksRowTheBrokerNeverAccepts(t *testing.T) {
 	waitDrained(t, e, o)
 }
 
+// TestRelayParksTheRowsTheBrokerRefusedAmongPartitions: a batch of rows
+// spread over eight partitions, three of them too large for the topic's
+// max.message.bytes: exactly those three are parked and every other row is
+// published. The relay used to pair ProduceSync's results, which come in
+// the order the records completed, with its rows in the order given: a
+// refused row could be marked sent (an event lost) and a published one
+// parked or produced again.
+func TestRelayParksTheRowsTheBrokerRefusedAmongPartitions(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	limit := "4096"
+	small, err := kadm.NewClient(e.kafka.Client(t)).CreateTopic(ctx, 8, 1, map[string]*string{"max.message.bytes": &limit}, e.topic+"_wide")
+	if err == nil {
+		err = small.Err
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	o, relay := e.oneShard(ctx, t, nil)
+	var msgs []outbox.Message
+	for i := range 40 {
+		msgs = append(msgs, outbox.Message{Topic: small.Topic, Key: []byte(fmt.Sprint("k", i)), Value: []byte(fmt.Sprint("v", i))})
+		if i%13 == 6 {
+			msgs = append(msgs, outbox.Message{Topic: small.Topic, Key: []byte(fmt.Sprint("big", i)), Value: noise(8000)})
+		}
+	}
+	enqueueWith(t, ctx, e, o, msgs...)
+	eventually(t, time.Minute, "every row published or parked", func() bool {
+		st, err := o.Status(ctx, e.db.Pool)
+		return err == nil && st.Pending == 0
+	})
+	parked, err := o.Parked(ctx, e.db.Pool, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var keys []string
+	for _, p := range parked {
+		keys = append(keys, string(p.Key))
+	}
+	if fmt.Sprint(keys) != "[big6 big19 big32]" {
+		t.Errorf("parked %v; want exactly the three rows over the limit", keys)
+	}
+	recs := e.readTopic(t, small.Topic, func(r []*kgo.Record) bool { return len(r) >= 40 })
+	got := byKey(recs)
+	for i := range 40 {
+		if v := got[fmt.Sprint("k", i)]; fmt.Sprint(v) != fmt.Sprintf("[v%d]", i) {
+			t.Errorf("key k%d on the topic: %v; want [v%d] once", i, v, i)
+		}
+	}
+	if s := relay.Stats(); s.Published != 40 || s.Parked != 3 {
+		t.Errorf("stats %+v; want 40 published, 3 parked", s)
+	}
+}
+
 // TestRelayRetryPublishesParkedRowThenItsSuccessors: the topic's
 // max.message.bytes refuses one row; the rows sharing its Kafka batch are
 // published, it is parked, and the rows of its key enqueued with it and

@@ -543,7 +543,10 @@ func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs [
 	return ok, park, err
 }
 
-// send produces recs[idx...] in one call, with a PRODUCER span each.
+// send produces recs[idx...] in one call, with a PRODUCER span each, and
+// returns their results in the order of idx. (ProduceSync lists results in
+// the order the records completed, which differs from the order given as
+// soon as they go to several partitions.)
 func (r *Relay) send(ctx context.Context, cl *kgo.Client, recs []*kgo.Record, idx []int) kgo.ProduceResults {
 	if len(idx) == 0 {
 		return nil
@@ -557,15 +560,23 @@ func (r *Relay) send(ctx context.Context, cl *kgo.Client, recs []*kgo.Record, id
 	}
 	pctx, cancel := context.WithTimeout(ctx, r.cfg.ProduceTimeout)
 	start := time.Now()
-	results := cl.ProduceSync(pctx, batch...)
+	completed := cl.ProduceSync(pctx, batch...)
 	took := time.Since(start)
 	cancel()
 	durAttrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingOperationName.String("send"),
 		telemetry.MessagingOperationType.String("send")}
-	if results.FirstErr() != nil {
+	if completed.FirstErr() != nil {
 		durAttrs = append(durAttrs, telemetry.ErrorType.String("produce"))
 	}
 	r.sendDur.Record(ctx, took.Seconds(), metric.WithAttributes(durAttrs...))
+	at := make(map[*kgo.Record]int, len(batch))
+	for j, rec := range batch {
+		at[rec] = j
+	}
+	results := make(kgo.ProduceResults, len(batch))
+	for _, res := range completed {
+		results[at[res.Record]] = res
+	}
 	for j, res := range results {
 		attrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingDestination.String(batch[j].Topic)}
 		if res.Err != nil {
