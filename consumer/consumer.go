@@ -14,6 +14,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -966,7 +967,7 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 	sendCtx, span := c.startSendSpan(w.ctx, topic, f.span, id)
 	defer span.End()
 	span.SetAttributes(telemetry.DLQClass.String(string(f.class)))
-	stub := false
+	stub, tooLarge := false, 0
 	for n := 1; ; n++ {
 		out := dlq.NewRecord(topic, rec, info, c.cfg.DeadLetterHeaders) // a fresh record per produce
 		if stub {
@@ -993,8 +994,17 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 		}
 		c.deadLetterErrs.Add(1)
 		if !stub && (errors.Is(err, kerr.MessageTooLarge) || errors.Is(err, kerr.RecordListTooLarge)) {
-			// The copy is too large for the dead-letter topic, and will stay
-			// so: a stub goes instead, at once.
+			// The broker refuses a whole batch: the copy may have shared it
+			// with another partition's copy that is too large. A copy that
+			// fits the topic goes again, a few times at most; one that
+			// does not (or whose topic's limit the brokers do not tell)
+			// will not fit later either: a stub goes instead, at once.
+			if tooLarge < maxTooLargeRetries && fitsTopic(w.ctx, w.r.cl, topic, out, c.cfg.DeadLetterTimeout) {
+				tooLarge++
+				c.cfg.Logger.Warn("oncely dead-letter batch refused as too large, though this record fits its topic; producing it again",
+					"topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset, "dlq_topic", topic, "err", err)
+				continue
+			}
 			stub = true
 			c.cfg.Logger.Warn("oncely dead-letter record too large; writing a stub without its value", "topic", rec.Topic,
 				"partition", rec.Partition, "offset", rec.Offset, "dlq_topic", topic, "err", err)
@@ -1060,6 +1070,38 @@ func (w *worker) sleep(d time.Duration) bool {
 	case <-w.ctx.Done():
 		return false
 	}
+}
+
+// maxTooLargeRetries bounds how often a dead-letter copy that fits its
+// topic is produced again after its batch was refused as too large.
+const maxTooLargeRetries = 3
+
+// fitsTopic reports whether rec, alone in a record batch, is within its
+// topic's max.message.bytes (asked of the brokers) and cl's batch limit;
+// false when the brokers do not tell.
+func fitsTopic(ctx context.Context, cl *kgo.Client, topic string, rec *kgo.Record, timeout time.Duration) bool {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	configs, err := kadm.NewClient(cl).DescribeTopicConfigs(ctx, topic)
+	if err != nil {
+		return false
+	}
+	rc, err := configs.On(topic, nil)
+	if err != nil || rc.Err != nil {
+		return false
+	}
+	limit := 0
+	for _, cfg := range rc.Configs {
+		if cfg.Key == "max.message.bytes" {
+			limit, _ = strconv.Atoi(cfg.MaybeValue())
+		}
+	}
+	if fn, ok := cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32); ok && fn != nil {
+		limit = min(limit, int(fn(topic)))
+	}
+	// The 61-byte batch header, and generous varint framing for the
+	// record and each header.
+	return 61+64+10*len(rec.Headers)+recordSize(rec) <= limit
 }
 
 func recordSize(rec *kgo.Record) int {

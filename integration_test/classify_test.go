@@ -5,12 +5,15 @@ import (
 	"errors"
 	"math/rand/v2"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
@@ -183,6 +186,24 @@ func TestAbortedTransactionsAreNotProcessed(t *testing.T) {
 	e.assertExactlyOnce(t, 6)
 }
 
+// deadLetterBetweenOrders produces poison between two orders on partition
+// 0, runs a consumer until the orders are applied, the poison dead-lettered
+// and the offsets committed, and returns the dead-letter topic's entries.
+func (e *env) deadLetterBetweenOrders(t *testing.T, poison *kgo.Record) []dlq.Entry {
+	t.Helper()
+	e.produceRecords(t, e.rec(0, "ok-0", valueOf("ok-0", 1)), poison, e.rec(0, "ok-1", valueOf("ok-1", 1)))
+	m := e.start(context.Background(), e.config("a", orderHandler("a")))
+	eventually(t, time.Minute, "every record handled and committed", func() bool {
+		s := m.c.Stats()
+		return s.DeadLettered == 1 && s.Processed == 2 && e.committedLag(t) == 0
+	})
+	if err := m.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	e.assertExactlyOnce(t, 2)
+	return e.dlqEntries(t)
+}
+
 // TestDeadLetterTooLargeWritesAStub: a record whose dead-letter copy (its
 // value plus oncely's headers) is over the dead-letter topic's size limit is
 // dead-lettered as a stub, without its value, at once, instead of holding
@@ -205,21 +226,7 @@ func TestDeadLetterTooLargeWritesAStub(t *testing.T) {
 		raw[i] = byte(rng.Uint32())
 	}
 	big := string(raw)
-	e.produceRecords(t,
-		e.rec(0, "ok-0", valueOf("ok-0", 1)),
-		e.rec(0, "big", big, kgo.RecordHeader{Key: "tenant", Value: []byte("acme")}),
-		e.rec(0, "ok-1", valueOf("ok-1", 1)),
-	)
-	m := e.start(context.Background(), e.config("a", orderHandler("a")))
-	eventually(t, time.Minute, "every record handled and committed", func() bool {
-		s := m.c.Stats()
-		return s.DeadLettered == 1 && s.Processed == 2 && e.committedLag(t) == 0
-	})
-	if err := m.stop(t); err != nil {
-		t.Fatal(err)
-	}
-	e.assertExactlyOnce(t, 2)
-	entries := e.dlqEntries(t)
+	entries := e.deadLetterBetweenOrders(t, e.rec(0, "big", big, kgo.RecordHeader{Key: "tenant", Value: []byte("acme")}))
 	if len(entries) != 1 || entries[0].Info == nil {
 		t.Fatalf("dead-letter topic holds %d records, want 1 decodable", len(entries))
 	}
@@ -236,6 +243,36 @@ func TestDeadLetterTooLargeWritesAStub(t *testing.T) {
 	res, err := dlq.Redrive(ctx, e.kafka.Client(t), entries, dlq.RedriveOptions{})
 	if err != nil || len(res) != 1 || res[0].Action != dlq.SkipStub {
 		t.Errorf("redrive of a stub = %+v, %v; want it skipped", res, err)
+	}
+}
+
+// TestDeadLetterInARefusedBatchIsNotAStub: the broker refuses a whole
+// record batch as too large, so a dead letter that shared its batch with
+// another partition's oversized copy is refused with MESSAGE_TOO_LARGE
+// although it fits the topic. It is produced again, in full, not replaced by
+// a stub that would lose its value. (Simulated: the first produce to the
+// dead-letter topic is answered MESSAGE_TOO_LARGE; the chaos soak met the
+// real case.)
+func TestDeadLetterInARefusedBatchIsNotAStub(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	dlqTopic, dlqID := dlq.DefaultTopic(e.topic), e.createDLQTopic(t)
+	var refused atomic.Int64
+	e.kafka.Cluster.ControlKey(kmsg.Produce.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		e.kafka.Cluster.KeepControl()
+		pr := req.(*kmsg.ProduceRequest)
+		if len(pr.Topics) == 0 || (pr.Topics[0].Topic != dlqTopic && pr.Topics[0].TopicID != dlqID) || !refused.CompareAndSwap(0, 1) {
+			return nil, nil, false
+		}
+		return produceFailed(pr, func(kmsg.ProduceRequestTopic) int16 { return kerr.MessageTooLarge.Code }), nil, true
+	})
+	entries := e.deadLetterBetweenOrders(t, e.rec(0, "bad", "not json"))
+	if refused.Load() != 1 || len(entries) != 1 || entries[0].Info == nil {
+		t.Fatalf("%d produces refused, %d dead letters; want 1 refused and 1 decodable dead letter", refused.Load(), len(entries))
+	}
+	en := entries[0]
+	if header(en.Record, dlq.HeaderStub) != "" || string(en.Record.Value) != "not json" || en.Info.MessageID != "bad" {
+		t.Errorf("dead letter of %s: value %q, stub %q; want the full copy", en.Info.MessageID, en.Record.Value, header(en.Record, dlq.HeaderStub))
 	}
 }
 
