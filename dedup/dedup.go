@@ -40,10 +40,13 @@ type Entry struct {
 	Partition int32
 	Offset    int64
 	Outcome   Outcome // default Processed
-	// Redrive lets the claim take over an id that the inbox holds as
-	// dead-lettered (a record redriven from a dead-letter topic): the row
-	// becomes processed, and the claim counts as new. An id held as
-	// processed is still a duplicate.
+	// Redrive marks a record that says it was redriven from a dead-letter
+	// topic. Its claim consumes the redrive grant of its id (GrantRedrive),
+	// if there is one, and only with a grant does it take over an id that
+	// the inbox holds as dead-lettered: the row becomes processed, and the
+	// claim counts as new. Without a grant the claim is an ordinary one. An
+	// id held as processed is still a duplicate. A dead-lettered outcome
+	// consumes the grant too: the redriven record had its one more run.
 	Redrive bool
 }
 
@@ -63,6 +66,8 @@ type Inbox struct {
 	setOut    string
 	lookup    string
 	release   string
+	// redrive grants (GrantRedrive)
+	redriveDead, grant, revoke, granted string
 }
 
 // New returns an Inbox for the configured schema.
@@ -72,17 +77,28 @@ func New(cfg Config) (*Inbox, error) {
 		return nil, err
 	}
 	t := sqlident.Table(schema, "inbox")
+	g := sqlident.Table(schema, "redrive_grants")
+	// A redriven record's claim deletes its grant in the same statement:
+	// the claim and the grant's use commit or roll back together.
+	takeGrant := `WITH g AS (DELETE FROM ` + g + ` WHERE consumer_group = $1 AND message_id = $2 RETURNING 1) `
 	return &Inbox{
 		schema: schema,
 		claim: `INSERT INTO ` + t + ` (consumer_group, message_id, topic, partition, "offset", outcome)
 			VALUES ($1, $2, $3, $4, $5, $6)
 			ON CONFLICT (consumer_group, message_id) DO NOTHING`,
-		redrive: `INSERT INTO ` + t + ` AS i (consumer_group, message_id, topic, partition, "offset", outcome)
+		redrive: takeGrant + `INSERT INTO ` + t + ` AS i (consumer_group, message_id, topic, partition, "offset", outcome)
 			VALUES ($1, $2, $3, $4, $5, $6)
 			ON CONFLICT (consumer_group, message_id) DO UPDATE
 			SET outcome = EXCLUDED.outcome, topic = EXCLUDED.topic, partition = EXCLUDED.partition,
 			    "offset" = EXCLUDED."offset", processed_at = now()
-			WHERE i.outcome = 'dead_lettered'`,
+			WHERE i.outcome = 'dead_lettered' AND EXISTS (SELECT 1 FROM g)`,
+		redriveDead: takeGrant + `INSERT INTO ` + t + ` (consumer_group, message_id, topic, partition, "offset", outcome)
+			VALUES ($1, $2, $3, $4, $5, $6)
+			ON CONFLICT (consumer_group, message_id) DO NOTHING`,
+		grant: `INSERT INTO ` + g + ` (consumer_group, message_id, ref) VALUES ($1, $2, $3)
+			ON CONFLICT (consumer_group, message_id) DO UPDATE SET ref = EXCLUDED.ref, granted_at = now()`,
+		revoke:  `DELETE FROM ` + g + ` WHERE consumer_group = $1 AND message_id = $2`,
+		granted: `SELECT EXISTS (SELECT 1 FROM ` + g + ` WHERE consumer_group = $1 AND message_id = $2)`,
 		claimMany: `INSERT INTO ` + t + ` (consumer_group, message_id, topic, partition, "offset", outcome)
 			SELECT $1, u.id, u.topic, u.part, u.off, u.outcome
 			FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[]) AS u(id, topic, part, off, outcome)
@@ -204,7 +220,10 @@ func (in *Inbox) claimArgs(e Entry) (string, []any, error) {
 		return "", nil, err
 	}
 	sql := in.claim
-	if e.Redrive {
+	switch {
+	case e.Redrive && e.Outcome == DeadLettered:
+		sql = in.redriveDead
+	case e.Redrive:
 		sql = in.redrive
 	}
 	return sql, []any{e.Group, e.MessageID, e.Topic, e.Partition, e.Offset, string(e.Outcome)}, nil
@@ -339,4 +358,39 @@ func (in *Inbox) Lookup(ctx context.Context, db DBTX, group, messageID string) (
 		return "", fmt.Errorf("dedup: lookup %q: %w", messageID, err)
 	}
 	return Outcome(o), nil
+}
+
+// GrantRedrive records that the dead-lettered message id of group may run
+// once more: the next claim of a record marked as redriven (Entry.Redrive)
+// takes over its dead-lettered inbox row, consuming the grant in its
+// transaction. ref names the dead-letter record redriven. Granting an id
+// that already has a grant leaves one grant. Record the grant before
+// producing the redriven record, or the consumer may see the record first
+// and skip it as a duplicate.
+func (in *Inbox) GrantRedrive(ctx context.Context, db DBTX, group, messageID, ref string) error {
+	if group == "" || messageID == "" {
+		return ErrInvalidEntry
+	}
+	if _, err := db.Exec(ctx, in.grant, group, messageID, ref); err != nil {
+		return fmt.Errorf("dedup: grant redrive of %q: %w", messageID, err)
+	}
+	return nil
+}
+
+// RevokeRedrive deletes the redrive grant of a message id, if any: for a
+// redrive whose record could not be produced.
+func (in *Inbox) RevokeRedrive(ctx context.Context, db DBTX, group, messageID string) error {
+	if _, err := db.Exec(ctx, in.revoke, group, messageID); err != nil {
+		return fmt.Errorf("dedup: revoke redrive of %q: %w", messageID, err)
+	}
+	return nil
+}
+
+// RedriveGranted reports whether a message id holds a redrive grant.
+func (in *Inbox) RedriveGranted(ctx context.Context, db DBTX, group, messageID string) (bool, error) {
+	var ok bool
+	if err := db.QueryRow(ctx, in.granted, group, messageID).Scan(&ok); err != nil {
+		return false, fmt.Errorf("dedup: redrive grant of %q: %w", messageID, err)
+	}
+	return ok, nil
 }

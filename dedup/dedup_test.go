@@ -772,3 +772,67 @@ func TestProcessedAtIsDatabaseTime(t *testing.T) {
 		t.Errorf("processed_at %s is %s before database now %s, want within 5s", processedAt, d, dbNow)
 	}
 }
+
+// A redrive claim takes over a dead-lettered id only with a grant, which it
+// consumes in its transaction: once per grant, rolled back with it, and a
+// dead-lettered outcome uses the grant up too.
+func TestRedriveNeedsAGrant(t *testing.T) {
+	t.Parallel()
+	db, in, ctx := setup(t)
+	dead := dedup.Entry{Group: "g", MessageID: "m", Outcome: dedup.DeadLettered}
+	redrive := dedup.Entry{Group: "g", MessageID: "m", Redrive: true}
+	granted := func() bool {
+		t.Helper()
+		ok, err := in.RedriveGranted(ctx, db.Pool, "g", "m")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+	claimTx(t, ctx, db.Pool, in, dead)
+	if claimTx(t, ctx, db.Pool, in, redrive) {
+		t.Fatal("a redrive claim without a grant took over the dead-lettered id")
+	}
+	if err := in.GrantRedrive(ctx, db.Pool, "g", "m", "t.dlq/0/3"); err != nil {
+		t.Fatal(err)
+	}
+	// A claim that rolls back leaves the grant.
+	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		ok, err := in.Claim(ctx, tx, redrive)
+		if err == nil && !ok {
+			t.Error("a redrive claim with a grant was not new")
+		}
+		return errors.Join(err, errRollback)
+	})
+	if !errors.Is(err, errRollback) || !granted() {
+		t.Fatalf("rolled-back redrive claim: %v, grant left %v; want the grant kept", err, granted())
+	}
+	if !claimTx(t, ctx, db.Pool, in, redrive) || granted() {
+		t.Fatal("a redrive claim with a grant was not new, or left its grant")
+	}
+	if o, err := in.Lookup(ctx, db.Pool, "g", "m"); err != nil || o != dedup.Processed {
+		t.Fatalf("outcome %q, %v after the redrive; want processed", o, err)
+	}
+	if claimTx(t, ctx, db.Pool, in, redrive) {
+		t.Fatal("a second redrive claim of a processed id was new")
+	}
+
+	// A redriven record that fails again is dead-lettered again: its
+	// dead-letter claim uses its grant up.
+	other := dedup.Entry{Group: "g", MessageID: "n", Outcome: dedup.DeadLettered}
+	claimTx(t, ctx, db.Pool, in, other)
+	if err := in.GrantRedrive(ctx, db.Pool, "g", "n", "t.dlq/0/4"); err != nil {
+		t.Fatal(err)
+	}
+	other.Redrive = true
+	claimTx(t, ctx, db.Pool, in, other)
+	if ok, err := in.RedriveGranted(ctx, db.Pool, "g", "n"); err != nil || ok {
+		t.Fatalf("grant of n after its dead-letter claim: %v, %v; want used up", ok, err)
+	}
+	// Revoking a grant that is gone is no error.
+	if err := in.RevokeRedrive(ctx, db.Pool, "g", "n"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+var errRollback = errors.New("roll back")

@@ -44,9 +44,13 @@
 //
 // [Redrive] produces dead-lettered records back to their source topic (or
 // another), with their key, value, the dedup id as message-id, the trace
-// context and a [HeaderRedrive] header naming the dead-letter record. An
+// context and a [HeaderRedrive] header naming the dead-letter record, each
+// after recording a redrive grant in the consumers' database
+// (dedup.Inbox.GrantRedrive; [RedriveOptions] Inbox and DB are required). An
 // oncely consumer processes a redriven record whose id the inbox holds as
-// dead-lettered once more; if the id is already processed (a second redrive
-// after a successful one) it is a duplicate and nothing happens. With an
-// inbox at hand, [Redrive] also skips records the inbox says were processed.
+// dead-lettered once more, consuming the grant in its claim's transaction;
+// a record that only carries the header (any producer can write it) is a
+// duplicate. If the id is already processed (a second redrive after a
+// successful one) it is a duplicate and nothing happens; [Redrive] skips
+// records the inbox says were processed without producing them.
 package dlq

@@ -154,13 +154,22 @@ type RedriveOptions struct {
 	// IDHeader is the dedup id header on the redriven record.
 	// Default "message-id".
 	IDHeader string
-	// Inbox and DB, when both set, let Redrive skip records whose dedup id
-	// the inbox of their group holds as processed (already redriven with
-	// success). Without them the consumer's inbox still makes such a
-	// redrive a no-op.
+	// Inbox and DB are the consumers' inbox (its schema) and database.
+	// Required, except for a dry run. Before producing a record, Redrive
+	// records a redrive grant for its group and dedup id
+	// (dedup.Inbox.GrantRedrive): the consumer runs a redriven record
+	// whose id it holds as dead-lettered only by consuming that grant, in
+	// the transaction of its claim, so each redrive runs the message once
+	// more, and a record that merely carries HeaderRedrive (any producer
+	// can write it) runs nothing again. Records whose id the inbox holds as
+	// processed are skipped (SkipProcessed).
 	Inbox *dedup.Inbox
 	DB    dedup.DBTX
 }
+
+// ErrNoInbox is returned by Redrive when RedriveOptions.Inbox or DB is
+// missing outside a dry run.
+var ErrNoInbox = errors.New("dlq: redrive: RedriveOptions.Inbox and DB are required: a redriven record runs again only against a grant recorded in the consumers' database")
 
 // Action is what Redrive did with an entry.
 type Action string
@@ -186,8 +195,12 @@ type Result struct {
 
 // Redrive produces entries back to their source topic (or opts.ToTopic) with
 // their key and value, the dedup id, the trace context and a HeaderRedrive
-// header. It stops at the first produce error and returns the results so far.
+// header, each after recording its redrive grant (see RedriveOptions). It
+// stops at the first error and returns the results so far.
 func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts RedriveOptions) ([]Result, error) {
+	if !opts.DryRun && (opts.Inbox == nil || opts.DB == nil) {
+		return nil, ErrNoInbox
+	}
 	idHeader := cmp.Or(opts.IDHeader, HeaderMessageIDDefault)
 	results := make([]Result, 0, len(entries))
 	for i := range entries {
@@ -220,8 +233,18 @@ func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts Re
 			results = append(results, res)
 			continue
 		}
+		// The grant first: a consumer that saw the record before its grant
+		// would skip it as a duplicate.
+		if err := opts.Inbox.GrantRedrive(ctx, opts.DB, e.Info.Group, e.Info.MessageID, e.Ref()); err != nil {
+			return results, fmt.Errorf("dlq: redrive %s: %w", e.Ref(), err)
+		}
 		rec := RedriveRecord(e, res.Topic, idHeader)
 		if err := producer.ProduceSync(ctx, rec).FirstErr(); err != nil {
+			// Best effort: a grant left behind lets the next redriven copy of
+			// this id run, which is what the operator asked for anyway.
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			_ = opts.Inbox.RevokeRedrive(rctx, opts.DB, e.Info.Group, e.Info.MessageID)
+			cancel()
 			return results, fmt.Errorf("dlq: redrive %s to %s: %w", e.Ref(), res.Topic, err)
 		}
 		res.Action, res.Partition, res.Offset = Redriven, rec.Partition, rec.Offset

@@ -146,12 +146,13 @@ func TestCLIDLQCommands(t *testing.T) {
 	if code != 0 || !strings.Contains(out, "would-redrive") || !strings.Contains(out, "1 would be redriven") {
 		t.Fatalf("dry run: %d %q", code, out)
 	}
-	code, out, _ = oncely(t, append([]string{"dlq", "redrive", "--message-id", "a"}, kafka...)...)
+	dbArgs := []string{"--database-url", db.URL, "--schema", db.Schema} // the consumers' database holds the redrive grants
+	code, out, _ = oncely(t, append(append([]string{"dlq", "redrive", "--message-id", "a"}, kafka...), dbArgs...)...)
 	if code != 0 || !strings.Contains(out, "1 redriven") {
 		t.Fatalf("redrive: %d %q", code, out)
 	}
 	testenv.Eventually(t, time.Minute, "redriven record processed", func() bool { return c2.Stats().Processed == 1 })
-	code, out, _ = oncely(t, append([]string{"dlq", "redrive", "--message-id", "a", "--database-url", db.URL, "--schema", db.Schema}, kafka...)...)
+	code, out, _ = oncely(t, append(append([]string{"dlq", "redrive", "--message-id", "a"}, kafka...), dbArgs...)...)
 	if code != 0 || !strings.Contains(out, "1 skipped (processed)") {
 		t.Fatalf("second redrive: %d %q", code, out)
 	}

@@ -179,8 +179,7 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		return nil
 	case "redrive":
 		var db dbFlags
-		fs.StringVar(&db.url, "database-url", "", "Postgres of the consumers; when set, records whose id the inbox holds as processed are skipped")
-		fs.StringVar(&db.schema, "schema", "oncely", "schema of oncely's tables")
+		db.register(fs)
 		toTopic := fs.String("to-topic", "", "produce to this topic instead of each record's source topic")
 		dryRun := fs.Bool("dry-run", false, "print what would be redriven, produce nothing")
 		all := fs.Bool("all", false, "redrive every record in the topic (required when no filter or --ref is given)")
@@ -195,7 +194,10 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 			return usageErr("dlq redrive: select records with --ref or a filter, or pass --all")
 		}
 		opts := dlq.RedriveOptions{ToTopic: *toTopic, DryRun: *dryRun}
-		if db.url != "" {
+		// The consumers' database holds the redrive grants: without them a
+		// redriven record is skipped as already dead-lettered. A dry run
+		// uses it, when given, to tell the records already processed.
+		if !*dryRun || db.url != "" {
 			pool, err := db.connect(ctx, d.kafka.timeout)
 			if err != nil {
 				return err

@@ -5,7 +5,7 @@
 //	oncely migrate up|down|status   [--database-url URL] [--schema oncely] [--to N]
 //	oncely dlq list    --topic T [filters] [--skip-invalid]
 //	oncely dlq show    --topic T REF...
-//	oncely dlq redrive --topic T [filters] [--ref P/O]... [--to-topic X] [--dry-run] [--database-url URL]
+//	oncely dlq redrive --topic T [filters] [--ref P/O]... [--to-topic X] [--dry-run] --database-url URL [--schema oncely]
 //	oncely outbox status [--database-url URL] [--schema oncely]
 //	oncely outbox parked [--limit N]
 //	oncely outbox retry ID...|--all
