@@ -129,7 +129,10 @@ type Config struct {
 	Schema string
 	// KeyFunc, when set, derives the dedup id. Otherwise the MessageIDHeader
 	// header is used, and without it topic/partition/offset (which dedups
-	// redeliveries but not a producer publishing the same message twice).
+	// redeliveries but not a producer publishing the same message twice):
+	// each such record counts in the oncely.consumer.id_fallback metric,
+	// and a WARN naming the topic and partition is logged at most once a
+	// minute per partition.
 	KeyFunc KeyFunc
 	// MessageIDHeader names the header with the message id, matched in any
 	// casing ("Message-ID" too). Default "message-id".
@@ -172,8 +175,10 @@ type Config struct {
 	MaxAttempts int
 
 	// DeadLetterTopic names the dead-letter topic of a source topic.
-	// Default dlq.DefaultTopic: "<topic>.dlq". The topic must exist unless
-	// the brokers create topics on first use.
+	// Default dlq.DefaultTopic: "<topic>.dlq". The topic must exist: Run
+	// checks at start-up (see BrokerTimeout), and the consumer never creates
+	// topics. While a dead-letter write fails, the partition waits and
+	// Ready reports false.
 	DeadLetterTopic func(topic string) string
 	// DeadLetterHeaders selects the original headers a dead-letter record
 	// keeps. Default: all but authorization-, cookie-, token- and
@@ -217,6 +222,21 @@ type Config struct {
 	// together exceed it, without handing them to the handler (class
 	// oversized). Default 0: no limit.
 	MaxRecordBytes int
+
+	// BrokerTimeout is how long Run waits at start-up for a broker to
+	// answer before it logs an ERROR naming the brokers; NotReady names
+	// them from then on, and Run goes on waiting (a wrong address shows at
+	// once in logs and probes; a broker that is restarting is waited for).
+	// Once a broker answers, Run fails with ErrMissingTopics, naming them,
+	// when a topic of Topics or its dead-letter topic does not exist: the
+	// consumer never creates topics. Default 15s.
+	BrokerTimeout time.Duration
+	// StuckAfter is how long a partition may stay on one record (retrying
+	// it, waiting for its dead-letter write, or in a handler that does not
+	// return) before Ready reports false, naming the partition and the
+	// offset. The record is neither skipped nor abandoned: the probe only
+	// tells. Default 5m.
+	StuckAfter time.Duration
 
 	// CommitInterval is how often marked offsets are committed to Kafka.
 	// Offsets are also committed synchronously when partitions are revoked
@@ -266,7 +286,9 @@ type Config struct {
 	// it. Default: InstanceID when set, else "oncely-<hostname>-<pid>".
 	ClientID string
 	// ClientOpts are extra franz-go options (TLS, SASL...), applied after
-	// oncely's own (a kgo.ClientID here wins over ClientID).
+	// oncely's own (a kgo.ClientID here wins over ClientID). Do not pass
+	// kgo.AllowAutoTopicCreation: the start-up check would then find the
+	// topics a typo created.
 	ClientOpts []kgo.Opt
 }
 
@@ -300,6 +322,8 @@ func (cfg *Config) setDefaults() {
 	}
 	cfg.DeadLetterHeaders.IDHeader = cfg.MessageIDHeader
 	cfg.DeadLetterTimeout = cmp.Or(cfg.DeadLetterTimeout, 10*time.Second)
+	cfg.BrokerTimeout = cmp.Or(cfg.BrokerTimeout, 15*time.Second)
+	cfg.StuckAfter = cmp.Or(cfg.StuckAfter, 5*time.Minute)
 	cfg.CommitInterval = cmp.Or(cfg.CommitInterval, time.Second)
 	cfg.RevokeTimeout = cmp.Or(cfg.RevokeTimeout, 5*time.Second)
 	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, 8*time.Second)
@@ -359,6 +383,7 @@ func (cfg *Config) validate() error {
 		{"CommitInterval", cfg.CommitInterval}, {"RevokeTimeout", cfg.RevokeTimeout},
 		{"ShutdownTimeout", cfg.ShutdownTimeout}, {"DeadLetterTimeout", cfg.DeadLetterTimeout},
 		{"BatchMaxWait", cfg.BatchMaxWait}, {"LogInterval", cfg.LogInterval},
+		{"BrokerTimeout", cfg.BrokerTimeout}, {"StuckAfter", cfg.StuckAfter},
 	} {
 		if d.v < 0 {
 			return invalid(d.field, "must not be negative, got %s", d.v)

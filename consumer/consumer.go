@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -24,6 +25,7 @@ import (
 	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/brokercheck"
 	"github.com/oncely/oncely/internal/ratelog"
 	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/telemetry"
@@ -39,9 +41,14 @@ type Consumer struct {
 	backoff backoff.Policy
 	started atomic.Bool
 
-	// ready: the poll loop runs and no partition waits for the database.
+	// ready: the poll loop runs, a broker answers, and no partition waits
+	// (see NotReady).
 	polling atomic.Bool
-	dbDown  atomic.Int64 // live partition workers whose last attempt could not reach the database
+	live    atomic.Pointer[run] // the running Run, for NotReady
+
+	// fallbacks rate-limits the WARN of records without a message id, per
+	// partition (tp -> *fallbackLog).
+	fallbacks sync.Map
 
 	tracer  trace.Tracer
 	meter   metric.Meter
@@ -128,24 +135,41 @@ func (c *Consumer) Stats() Stats {
 	}
 }
 
-// Ready reports whether Run is consuming and no partition waits for the
-// database (every partition's latest transaction attempt reached it). Use
-// it for readiness probes.
-func (c *Consumer) Ready() bool { return c.polling.Load() && c.dbDown.Load() == 0 }
+// Ready reports whether Run is consuming, a broker answers, and no
+// partition of this member waits: for the database, for its dead-letter
+// topic, or on one record for longer than StuckAfter. Use it for readiness
+// probes; NotReady says why it is false.
+func (c *Consumer) Ready() bool { return c.NotReady() == "" }
 
 // NotReady says why Ready is false, for a readiness probe's answer; "" when
-// it is true.
+// it is true: not consuming, the brokers that do not answer, or each
+// partition that waits and on what (the first few, and how many more).
 func (c *Consumer) NotReady() string {
-	switch n := c.dbDown.Load(); {
-	case !c.polling.Load():
-		return "not consuming (starting, stopped or failed)"
-	case n == 1:
-		return "1 partition waits for the database"
-	case n > 1:
-		return fmt.Sprintf("%d partitions wait for the database", n)
+	r := c.live.Load()
+	if r != nil {
+		if why, down := r.brokers.Down(); down {
+			return why
+		}
 	}
-	return ""
+	if r == nil || !c.polling.Load() {
+		return "not consuming (starting, stopped or failed)"
+	}
+	now := time.Now()
+	var reasons []string
+	for _, w := range r.snapshot() {
+		if why := w.unready(now); why != "" {
+			reasons = append(reasons, why)
+		}
+	}
+	slices.Sort(reasons)
+	if n := len(reasons); n > maxReasons {
+		reasons = append(reasons[:maxReasons], fmt.Sprintf("and %d more partitions", n-maxReasons))
+	}
+	return strings.Join(reasons, "; ")
 }
+
+// maxReasons bounds the partitions NotReady names.
+const maxReasons = 5
 
 type tp struct {
 	topic     string
@@ -183,6 +207,10 @@ type run struct {
 
 	errMu sync.Mutex
 	err   error // the first fatal error
+
+	// brokers says whether a broker answered the last check; Run's
+	// start-up check was the first.
+	brokers brokercheck.State
 }
 
 // Run joins the group and processes records until ctx is cancelled. It
@@ -238,9 +266,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.OnPartitionsAssigned(r.onAssigned),
 		kgo.OnPartitionsRevoked(r.onRevoked),
 		kgo.OnPartitionsLost(r.onLost),
-		// Dead-letter topics may be created on first use where the brokers
-		// allow it; the produce is idempotent and waits for all ISR acks.
-		kgo.AllowAutoTopicCreation(),
+		// No AllowAutoTopicCreation: a typo in a topic name must fail at
+		// start-up (checkKafka), not create a topic. The dead-letter
+		// produce is idempotent and waits for all ISR acks.
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.RecordDeliveryTimeout(c.cfg.DeadLetterTimeout),
 	}
@@ -253,12 +281,25 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return fmt.Errorf("consumer: kafka client: %w", err)
 	}
 	r.cl = cl
+	c.live.Store(r) // NotReady names brokers that do not answer from now on
+	if err := r.checkKafka(ctx); err != nil || ctx.Err() != nil {
+		cl.Close()
+		if err != nil {
+			c.cfg.Logger.Error("oncely consumer cannot start", "group", c.cfg.Group, "err", err)
+		}
+		return err // nil when asked to stop while starting
+	}
 
 	committerDone := make(chan struct{})
 	committerCtx, stopCommitter := context.WithCancel(workCtx)
 	go func() {
 		defer close(committerDone)
 		r.commitLoop(committerCtx)
+	}()
+	watcherDone := make(chan struct{})
+	go func() {
+		defer close(watcherDone)
+		brokercheck.Watch(committerCtx, cl, c.cfg.Brokers, brokerCheckInterval, &r.brokers, c.cfg.Logger, "oncely consumer")
 	}()
 
 	if reg, err := r.observe(); err == nil {
@@ -292,6 +333,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	r.stopBy.Store(deadline.UnixNano())
 	stopCommitter()
 	<-committerDone
+	<-watcherDone
 	r.shutdown(ctx, deadline)
 	cancelWork()
 	// When Run returns, no transaction of this member is still running,
@@ -484,9 +526,17 @@ func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string]
 			commitBy = time.Unix(0, max(by, time.Now().Add(time.Second).UnixNano()))
 		}
 		cctx, cancel := context.WithDeadline(ctx, commitBy)
-		if err := r.commit(cctx, ws); err != nil {
+		// The workers leave in the same hold of commitMu: no periodic
+		// commit of an older snapshot can come between this commit and
+		// the next owner's.
+		r.commitMu.Lock()
+		if err := r.commitLocked(cctx, ws); err != nil {
 			r.c.cfg.Logger.Warn("oncely commit on revoke failed", "err", err)
 		}
+		for _, w := range ws {
+			w.leave()
+		}
+		r.commitMu.Unlock()
 		cancel()
 		r.forget(ctx, ws)
 		r.remove(ws)
@@ -510,6 +560,13 @@ func (r *run) onAssigned(_ context.Context, _ *kgo.Client, assigned map[string][
 // in-flight records are abandoned and nothing is committed.
 func (r *run) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
 	ws := r.take(lost)
+	// Another member may own them already: from now on no commit of ours
+	// includes them.
+	r.commitMu.Lock()
+	for _, w := range ws {
+		w.leave()
+	}
+	r.commitMu.Unlock()
 	stopWorkers(ws, 0)
 	r.forget(context.Background(), ws) // not a death: the process lives on
 	r.remove(ws)
@@ -519,18 +576,25 @@ func (r *run) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32)
 
 // commitLoop commits marked offsets every CommitInterval.
 func (r *run) commitLoop(ctx context.Context) {
-	t := time.NewTicker(r.c.cfg.CommitInterval)
+	every(ctx, r.c.cfg.CommitInterval, func() {
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		if err := r.commit(cctx, r.snapshot()); err != nil && ctx.Err() == nil {
+			r.c.outage.Warn(ctx, "oncely offset commit failed; retrying next interval", "err", err)
+		}
+	})
+}
+
+// every runs f every d until ctx ends.
+func every(ctx context.Context, d time.Duration, f func()) {
+	t := time.NewTicker(d)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-			if err := r.commit(cctx, r.snapshot()); err != nil && ctx.Err() == nil {
-				r.c.outage.Warn(ctx, "oncely offset commit failed; retrying next interval", "err", err)
-			}
-			cancel()
+			f()
 		}
 	}
 }
@@ -540,6 +604,11 @@ func (r *run) commitLoop(ctx context.Context) {
 func (r *run) commit(ctx context.Context, ws []*worker) error {
 	r.commitMu.Lock()
 	defer r.commitMu.Unlock()
+	return r.commitLocked(ctx, ws)
+}
+
+// commitLocked is commit with commitMu held.
+func (r *run) commitLocked(ctx context.Context, ws []*worker) error {
 	if r.crashed.Load() {
 		return nil
 	}
@@ -614,11 +683,16 @@ type worker struct {
 
 	hwm atomic.Int64 // partition high watermark seen in the last fetch
 
-	mu         sync.Mutex
-	queue      []*kgo.Record
-	full       bool            // the buffer reached MaxBufferedRecords and has not drained to half
-	dbHold     bool            // the last transaction attempt could not reach the database
-	gone       bool            // revoked, lost or stopped: see leave
+	mu     sync.Mutex
+	queue  []*kgo.Record
+	full   bool   // the buffer reached MaxBufferedRecords and has not drained to half
+	dbHold bool   // the last transaction attempt could not reach the database
+	dlqErr string // the last dead-letter write failed: why ("" once one succeeded)
+	gone   bool   // revoked, lost or stopped: see leave
+	// since is when the worker began on the record at offset at, the
+	// first it has not finished; zero while it has nothing to do.
+	since      time.Time
+	at         int64
 	paused     bool            // fetching is paused: full or dbHold
 	mark       kgo.EpochOffset // next offset to commit
 	hasMark    bool
@@ -678,28 +752,54 @@ func (w *worker) databaseDown(down bool) {
 	defer w.mu.Unlock()
 	if w.dbHold != down && !w.gone {
 		w.dbHold = down
-		if down {
-			w.r.c.dbDown.Add(1)
-		} else {
-			w.r.c.dbDown.Add(-1)
-		}
 		w.syncPause()
 	}
+}
+
+// deadLetterDown records whether the worker's last dead-letter write
+// failed, and why.
+func (w *worker) deadLetterDown(why string) {
+	w.mu.Lock()
+	w.dlqErr = why
+	w.mu.Unlock()
+}
+
+// unready says why the partition keeps its member from being ready, or
+// "": it waits for the database, for its dead-letter topic, or has been on
+// one record for longer than StuckAfter. A worker that left counts no more.
+func (w *worker) unready(now time.Time) string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	where := fmt.Sprintf("%s/%d", w.tp.topic, w.tp.partition)
+	switch {
+	case w.gone:
+		return ""
+	case w.dbHold:
+		return "partition " + where + " waits for the database"
+	case w.dlqErr != "":
+		return "partition " + where + " waits for its dead-letter topic: " + w.dlqErr
+	case !w.since.IsZero() && now.Sub(w.since) > w.r.c.cfg.StuckAfter:
+		return fmt.Sprintf("partition %s stuck on offset %d for %s (StuckAfter %s)", where, w.at,
+			now.Sub(w.since).Truncate(time.Second), w.r.c.cfg.StuckAfter)
+	}
+	return ""
+}
+
+// idle records that the worker has no record at hand.
+func (w *worker) idle() {
+	w.mu.Lock()
+	w.since = time.Time{}
+	w.mu.Unlock()
 }
 
 // leave marks w as no longer the owner of its partition: it counts no more
 // toward Ready, and no periodic commit commits its offsets (the next owner
 // commits that partition now; a stale mark of ours would move it back).
+// Call it with commitMu held, so that no commit in progress includes w.
 func (w *worker) leave() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.gone {
-		return
-	}
 	w.gone = true
-	if w.dbHold {
-		w.r.c.dbDown.Add(-1)
-	}
 }
 
 func (w *worker) next() (*kgo.Record, bool) {
@@ -712,6 +812,7 @@ func (w *worker) next() (*kgo.Record, bool) {
 		if rec, ok := w.pop(); ok {
 			return rec, true
 		}
+		w.idle()
 		select {
 		case <-w.stop:
 			return nil, false
@@ -744,6 +845,7 @@ func (w *worker) loopRecords() {
 			return
 		}
 		w.r.c.metrics.consumed.Add(w.ctx, 1, w.r.c.topicAttrs(rec))
+		w.r.c.checkID(w.ctx, rec)
 		if !w.process(rec) {
 			return
 		}
@@ -756,6 +858,7 @@ func (w *worker) markDone(rec *kgo.Record) {
 	w.mu.Lock()
 	w.mark = kgo.EpochOffset{Epoch: rec.LeaderEpoch, Offset: rec.Offset + 1}
 	w.hasMark = true
+	w.since, w.at = time.Now(), rec.Offset+1 // on to the next record, if any
 	w.mu.Unlock()
 }
 
@@ -945,6 +1048,11 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 	if f.class == dlq.ClassOversized { // never claimed: check for a redelivery here
 		for n := 1; ; n++ {
 			o, err := c.inbox.Lookup(w.ctx, c.cfg.Pool, c.cfg.Group, id)
+			if err == nil && o == dedup.DeadLettered && redrive {
+				// Dead-lettered again only when an operator redrove it:
+				// the header alone is anybody's to write.
+				redrive, err = c.inbox.RedriveGranted(w.ctx, c.cfg.Pool, c.cfg.Group, id)
+			}
 			if err == nil && (o == dedup.Processed || !redrive) {
 				c.duplicates.Add(1)
 				return w.hook(w.r.hooks.AfterCommit, rec)
@@ -984,6 +1092,7 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 		cancel()
 		if err == nil {
 			c.metrics.sent.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka, telemetry.MessagingDestination.String(topic)))
+			w.deadLetterDown("")
 			break
 		}
 		c.metrics.sent.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka, telemetry.MessagingDestination.String(topic),
@@ -1010,6 +1119,7 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 				"partition", rec.Partition, "offset", rec.Offset, "dlq_topic", topic, "err", err)
 			continue
 		}
+		w.deadLetterDown(fmt.Sprintf("%s cannot be written: %v", topic, err))
 		delay := c.backoff.Delay(n)
 		msg := "oncely dead-letter produce failed; partition waits"
 		c.outage.Log(w.ctx, slog.LevelError, msg, msg, "topic", rec.Topic,
@@ -1019,10 +1129,11 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 		}
 	}
 	entry := dedup.Entry{Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition,
-		Offset: rec.Offset, Outcome: dedup.DeadLettered}
+		Offset: rec.Offset, Outcome: dedup.DeadLettered, Redrive: redrive}
 	for n := 1; ; n++ {
 		// An id already present (dead-lettered before a redrive, or processed
-		// by a zombie meanwhile) keeps its row: DO NOTHING.
+		// by a zombie meanwhile) keeps its row: DO NOTHING. A redriven
+		// record uses up its redrive grant here: it had its run.
 		_, err := c.inbox.Claim(w.ctx, c.cfg.Pool, entry)
 		if err == nil {
 			break
@@ -1304,18 +1415,8 @@ func (c *Consumer) messageID(rec *kgo.Record) (string, error) {
 		if id == "" {
 			return "", errors.New("consumer: key func returned an empty id")
 		}
-	} else {
-		// In any casing: producers write Message-ID as often as message-id,
-		// and a missed header would dedup by offset, not by message.
-		for _, h := range rec.Headers {
-			if len(h.Value) > 0 && strings.EqualFold(h.Key, c.cfg.MessageIDHeader) {
-				id = string(h.Value)
-				break
-			}
-		}
-		if id == "" {
-			id = c.fallbackID(rec)
-		}
+	} else if id = c.headerID(rec); id == "" {
+		id = c.fallbackID(rec)
 	}
 	if len(id) > MaxMessageIDLen {
 		return "", fmt.Errorf("consumer: message id of %d bytes exceeds %d", len(id), MaxMessageIDLen)
@@ -1326,6 +1427,18 @@ func (c *Consumer) messageID(rec *kgo.Record) (string, error) {
 		return "", fmt.Errorf("consumer: message id %s is not valid UTF-8 text without NUL bytes", strconv.QuoteToASCII(id))
 	}
 	return id, nil
+}
+
+// headerID returns the first non-empty message id header of rec, in any
+// casing: producers write Message-ID as often as message-id, and a missed
+// header would dedup by offset, not by message.
+func (c *Consumer) headerID(rec *kgo.Record) string {
+	for _, h := range rec.Headers {
+		if len(h.Value) > 0 && strings.EqualFold(h.Key, c.cfg.MessageIDHeader) {
+			return string(h.Value)
+		}
+	}
+	return ""
 }
 
 // callKeyFunc runs f, turning a panic into an error: the record is

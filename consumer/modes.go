@@ -23,6 +23,9 @@ func (w *worker) pop() (*kgo.Record, bool) {
 	rec := w.queue[0]
 	w.queue[0] = nil
 	w.queue = w.queue[1:]
+	if w.since.IsZero() {
+		w.since, w.at = time.Now(), rec.Offset
+	}
 	if w.full && len(w.queue) <= w.r.c.cfg.MaxBufferedRecords/2 {
 		w.full = false
 		w.syncPause()
@@ -42,6 +45,9 @@ func (w *worker) loopBatches(size int) {
 			return
 		}
 		w.r.c.metrics.consumed.Add(w.ctx, int64(len(batch)), w.r.c.topicAttrs(batch[0]))
+		for _, rec := range batch {
+			w.r.c.checkID(w.ctx, rec)
+		}
 		if !w.processBatch(batch) {
 			return
 		}
@@ -394,6 +400,7 @@ func (w *worker) loopKeys(lanes int) {
 			defer func() { laneDone <- struct{}{} }()
 			for t := range tasks {
 				w.r.c.metrics.consumed.Add(w.ctx, 1, w.r.c.topicAttrs(t.rec))
+				w.r.c.checkID(w.ctx, t.rec)
 				t.ok = w.process(t.rec)
 				results <- t
 			}
@@ -439,6 +446,9 @@ func (w *worker) loopKeys(lanes int) {
 		}
 		if stop == nil && inflight == 0 {
 			return
+		}
+		if len(order) == 0 {
+			w.idle()
 		}
 		select {
 		case t := <-results:

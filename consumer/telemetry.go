@@ -26,6 +26,7 @@ type instruments struct {
 	contention      metric.Int64Counter
 	deadLettered    metric.Int64Counter
 	crashProbes     metric.Int64Counter
+	idFallback      metric.Int64Counter
 	commitLag       metric.Int64ObservableGauge
 	inboxRows       metric.Int64ObservableGauge
 	base            metric.MeasurementOption
@@ -59,6 +60,9 @@ func newInstruments(m metric.Meter, cfg *Config) (*instruments, error) {
 	add(err)
 	in.crashProbes, err = m.Int64Counter("oncely.consumer.crash_probes", metric.WithUnit("{partition}"),
 		metric.WithDescription("Partitions that started in probe, one record at a time, because their previous owner died."))
+	add(err)
+	in.idFallback, err = m.Int64Counter("oncely.consumer.id_fallback", metric.WithUnit("{message}"),
+		metric.WithDescription("Records without a message id (no KeyFunc, no id header) deduplicated by topic/partition/offset, which does not catch a producer's duplicate."))
 	add(err)
 	in.commitLag, err = m.Int64ObservableGauge("oncely.consumer.commit_lag", metric.WithUnit("{message}"),
 		metric.WithDescription("Per partition: high watermark minus the offset committed by this member."))

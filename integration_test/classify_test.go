@@ -16,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/testenv"
 )
@@ -214,8 +215,12 @@ func TestDeadLetterTooLargeWritesAStub(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	limit := "4096"
-	if _, err := kadm.NewClient(e.kafka.Client(t)).CreateTopic(ctx, 1, 1,
-		map[string]*string{"max.message.bytes": &limit}, dlq.DefaultTopic(e.topic)); err != nil {
+	resp, err := kadm.NewClient(e.kafka.Client(t)).AlterTopicConfigs(ctx,
+		[]kadm.AlterConfig{{Name: "max.message.bytes", Value: &limit}}, dlq.DefaultTopic(e.topic))
+	if err == nil {
+		err = errors.Join(resp[0].Err)
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
 	// Random bytes: not JSON (undecodable), and incompressible, so that
@@ -240,7 +245,7 @@ func TestDeadLetterTooLargeWritesAStub(t *testing.T) {
 	if en.Info.MessageID != "big" || en.Info.Class != dlq.ClassUndecodable || len(en.Record.Value) != 0 || !strings.Contains(stub, "too large") {
 		t.Errorf("dead letter %s class %s value %d bytes stub %q; want the stub of big, undecodable, no value", en.Info.MessageID, en.Info.Class, len(en.Record.Value), stub)
 	}
-	res, err := dlq.Redrive(ctx, e.kafka.Client(t), entries, dlq.RedriveOptions{})
+	res, err := dlq.Redrive(ctx, e.kafka.Client(t), entries, dlq.RedriveOptions{Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool})
 	if err != nil || len(res) != 1 || res[0].Action != dlq.SkipStub {
 		t.Errorf("redrive of a stub = %+v, %v; want it skipped", res, err)
 	}

@@ -70,9 +70,11 @@ func (e *env) dlqEntries(t *testing.T) []dlq.Entry {
 	return entries
 }
 
+// createDLQTopic returns the id of the env's dead-letter topic, which
+// newEnv created with the source topic.
 func (e *env) createDLQTopic(t *testing.T) [16]byte {
 	t.Helper()
-	return e.kafka.CreateTopicNamed(t, dlq.DefaultTopic(e.topic), 1)
+	return e.dlqID
 }
 
 func valueOf(id string, amount int64) string {
@@ -226,10 +228,16 @@ func TestDeadLetterOutageHoldsOnlyItsPartition(t *testing.T) {
 	if off := e.committedOffset(t, 0); off != 1 {
 		t.Fatalf("partition 0 committed offset %d, want 1 (never past the poison)", off)
 	}
+	// Not ready while the dead letter cannot be written, naming why.
+	eventually(t, 10*time.Second, "not ready, naming the dead-letter topic", func() bool {
+		why := m.c.NotReady()
+		return strings.Contains(why, e.topic+"/0 waits for its dead-letter topic") && strings.Contains(why, dlqTopic)
+	})
 	refuse.Store(false)
 	eventually(t, time.Minute, "partition 0 resumes after the fault", func() bool {
 		return e.count(t, `SELECT count(*) FROM effects WHERE partition = 0`) == 21 && e.committedLag(t) == 0
 	})
+	eventually(t, 10*time.Second, "ready again", m.c.Ready)
 	entries := e.dlqEntries(t)
 	if len(entries) != 1 || entries[0].Copies != 1 || entries[0].Info.MessageID != "poison" {
 		t.Fatalf("dead-letter entries = %+v, want the poison once", entries)
@@ -271,7 +279,6 @@ func TestCrashAfterDeadLetterBeforeOffsetCommit(t *testing.T) {
 func TestRedriveProcessesOnceMore(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
-	e.createDLQTopic(t)
 	e.produceRecords(t, e.rec(0, "order-7", valueOf("order-7", -3), kgo.RecordHeader{Key: "traceparent", Value: []byte("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")}))
 	v1 := e.start(context.Background(), e.config("v1", orderHandler("v1")))
 	eventually(t, time.Minute, "v1 dead-letters the order", func() bool { return v1.c.Stats().DeadLettered == 1 && e.committedLag(t) == 0 })
@@ -296,22 +303,28 @@ func TestRedriveProcessesOnceMore(t *testing.T) {
 	if e.committedLag(t) != 0 {
 		t.Fatal("the dry run produced a record")
 	}
-	res, err := dlq.Redrive(ctx, producer, entries, dlq.RedriveOptions{})
+	if _, err := dlq.Redrive(ctx, producer, entries, dlq.RedriveOptions{}); !errors.Is(err, dlq.ErrNoInbox) {
+		t.Fatalf("redrive without the inbox = %v, want ErrNoInbox", err)
+	}
+	inbox := dedup.MustNew(e.db.Schema)
+	opts := dlq.RedriveOptions{Inbox: inbox, DB: e.db.Pool}
+	res, err := dlq.Redrive(ctx, producer, entries, opts)
 	if err != nil || res[0].Action != dlq.Redriven {
 		t.Fatalf("redrive = %+v, %v", res, err)
 	}
 	eventually(t, time.Minute, "v2 processes the redriven order", func() bool { return v2.c.Stats().Processed == 1 })
 	e.assertExactlyOnce(t, 1)
-
-	// The same dead-letter record again: the consumer's inbox makes it a no-op.
-	if _, err := dlq.Redrive(ctx, producer, entries, dlq.RedriveOptions{}); err != nil {
-		t.Fatal(err)
+	if n := e.count(t, `SELECT count(*) FROM `+e.db.Schema+`.redrive_grants`); n != 0 {
+		t.Errorf("%d redrive grants left after the redriven record ran, want 0", n)
 	}
+
+	// The same redriven record again (the CLI run twice without its
+	// check, or a copy of the record): the consumer's inbox makes it a no-op.
+	e.produceRecords(t, dlq.RedriveRecord(&entries[0], e.topic, "message-id"))
 	eventually(t, time.Minute, "v2 skips the second redrive", func() bool { return v2.c.Stats().Duplicates == 1 })
 	e.assertExactlyOnce(t, 1)
 	// With the inbox at hand, Redrive does not even produce it.
-	inbox := dedup.MustNew(e.db.Schema)
-	res, err = dlq.Redrive(ctx, producer, entries, dlq.RedriveOptions{Inbox: inbox, DB: e.db.Pool})
+	res, err = dlq.Redrive(ctx, producer, entries, opts)
 	if err != nil || res[0].Action != dlq.SkipProcessed {
 		t.Fatalf("redrive with inbox = %+v, %v; want skipped as processed", res, err)
 	}
@@ -323,6 +336,69 @@ func TestRedriveProcessesOnceMore(t *testing.T) {
 	if !hasTrace {
 		t.Error("redriven record lost its traceparent")
 	}
+}
+
+// TestForgedRedriveHeaderChangesNothing: a record that carries the
+// oncely-redrive header without an operator's redrive (any producer can
+// write the header) is a duplicate of its dead-lettered id, in every mode;
+// a real redrive after it still runs the message once more, and only once.
+// An oversized record's forged redrive is not dead-lettered again.
+func TestForgedRedriveHeaderChangesNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	forged := kgo.RecordHeader{Key: dlq.HeaderRedrive, Value: []byte("anything/0/0")}
+	big := valueOf("big", 1) + strings.Repeat(" ", 4096)
+	e.produceRecords(t, e.rec(0, "order-9", valueOf("order-9", -3)), e.rec(0, "big", big))
+	// Accepts negative amounts only after the redrive: the dead-lettered
+	// id would run (and apply) again if a forged header were trusted.
+	var accept atomic.Bool
+	h := consumer.JSON(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o order) error {
+		if o.Amount < 0 && !accept.Load() {
+			return dlq.Permanent(errors.New("negative amount"))
+		}
+		return recordEffect("a")(ctx, tx, msg)
+	})
+	cfg := e.config("a", h)
+	cfg.MaxRecordBytes = 1024
+	m := e.start(context.Background(), cfg)
+	eventually(t, time.Minute, "both dead-lettered", func() bool { return m.c.Stats().DeadLettered == 2 })
+	accept.Store(true)
+
+	// Forged copies, one with the plain header, one like a redrive record.
+	e.produceRecords(t, e.rec(0, "order-9", valueOf("order-9", -3), forged), e.rec(0, "big", big, forged))
+	entries := e.dlqEntries(t)
+	var order9 *dlq.Entry
+	for i := range entries {
+		if entries[i].Info != nil && entries[i].Info.MessageID == "order-9" {
+			order9 = &entries[i]
+		}
+	}
+	if order9 == nil {
+		t.Fatalf("no dead letter of order-9 among %d entries", len(entries))
+	}
+	e.produceRecords(t, dlq.RedriveRecord(order9, e.topic, "message-id"))
+	eventually(t, time.Minute, "the forged records skipped and committed", func() bool {
+		return m.c.Stats().Duplicates == 3 && e.committedLag(t) == 0
+	})
+	if n := e.count(t, `SELECT count(*) FROM effects`); n != 0 {
+		t.Fatalf("%d effects: a forged redrive header ran a dead-lettered message", n)
+	}
+	if s := m.c.Stats(); s.DeadLettered != 2 {
+		t.Errorf("dead-lettered %d, want 2: a forged redrive of the oversized record was dead-lettered again", s.DeadLettered)
+	}
+
+	// An operator's redrive runs it once more.
+	res, err := dlq.Redrive(context.Background(), e.kafka.Client(t), []dlq.Entry{*order9},
+		dlq.RedriveOptions{Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool})
+	if err != nil || res[0].Action != dlq.Redriven {
+		t.Fatalf("redrive = %+v, %v", res, err)
+	}
+	eventually(t, time.Minute, "the redriven order applied", func() bool { return m.c.Stats().Processed == 1 })
+	e.produceRecords(t, dlq.RedriveRecord(order9, e.topic, "message-id"))
+	eventually(t, time.Minute, "a copy of the redriven record skipped", func() bool {
+		return m.c.Stats().Duplicates == 4 && e.committedLag(t) == 0
+	})
+	e.assertExactlyOnce(t, 1)
 }
 
 // Copies of one dead-lettering (a crash between the dead-letter produce and

@@ -15,6 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/internal/testenv"
@@ -30,6 +31,7 @@ type env struct {
 	kafka *testenv.Kafka
 	topic string
 	group string
+	dlqID [16]byte // the dead-letter topic's id
 }
 
 func newEnv(t *testing.T, partitions int32) *env {
@@ -57,8 +59,16 @@ func newEnvWithKafka(t *testing.T, partitions int32, opts ...kfake.Opt) *env {
 		"offset" bigint NOT NULL, member text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	k := testenv.NewKafka(t, opts...)
-	return &env{t: t, db: db, kafka: k, topic: k.CreateTopic(t, "orders", partitions), group: testenv.UniqueName("g")}
+	return newKafkaEnv(t, db, testenv.NewKafka(t, opts...), partitions)
+}
+
+// newKafkaEnv creates the env's topic on k, and its dead-letter topic: the
+// consumer checks at start-up that both exist.
+func newKafkaEnv(t *testing.T, db *testenv.DB, k *testenv.Kafka, partitions int32) *env {
+	t.Helper()
+	topic := k.CreateTopic(t, "orders", partitions)
+	return &env{t: t, db: db, kafka: k, topic: topic, group: testenv.UniqueName("g"),
+		dlqID: k.CreateTopicNamed(t, dlq.DefaultTopic(topic), 1)}
 }
 
 // config returns a consumer config for the env with fast retries.

@@ -140,6 +140,5 @@ func newOutageEnv(t *testing.T, db *testenv.DB, partitions int32) *env {
 		"offset" bigint NOT NULL, member text NOT NULL, phase int NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	k := testenv.NewKafka(t)
-	return &env{t: t, db: db, kafka: k, topic: k.CreateTopic(t, "orders", partitions), group: testenv.UniqueName("g")}
+	return newKafkaEnv(t, db, testenv.NewKafka(t), partitions)
 }

@@ -74,7 +74,6 @@ func waitRun(t *testing.T, done chan error, d time.Duration) error {
 func TestRunnerOrderedShutdown(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
-	e.kafka.CreateTopicNamed(t, dlq.DefaultTopic(e.topic), 1)
 	events := e.kafka.CreateTopic(t, "events", 1)
 	pool := e.runnerPool(t, e.db.URL)
 
@@ -206,8 +205,7 @@ func (r *recorder) Write(b []byte) (int, error) { return r.body.Write(b) }
 func TestRunnerReadyz(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
-	dlqTopic := dlq.DefaultTopic(e.topic)
-	e.kafka.CreateTopicNamed(t, dlqTopic, 1)
+	dlqTopic := dlq.DefaultTopic(e.topic) // newEnv created it
 	proxy := testenv.NewPostgresProxy(t)
 	pool := e.runnerPool(t, proxy.URL)
 	r, err := oncely.New(oncely.Config{Pool: pool, Schema: e.db.Schema, Brokers: e.kafka.Brokers,
@@ -239,7 +237,7 @@ func TestRunnerReadyz(t *testing.T) {
 	e.produce(t, []msg{{id: "during-the-outage"}})
 	eventually(t, 30*time.Second, "/readyz naming the consumer and the relay", func() bool {
 		_, body = readyz(t, h, false)
-		return strings.Contains(body, `consumer group "`+e.group+`": 1 partition waits for the database`) &&
+		return strings.Contains(body, `consumer group "`+e.group+`": partition `+e.topic+`/0 waits for the database`) &&
 			strings.Contains(body, "outbox relay: the database did not answer its last query")
 	})
 	t.Logf("/readyz with the database cut off:\n%s", body)
@@ -409,7 +407,6 @@ func TestRunnerMigrate(t *testing.T) {
 func TestRunnerStopWhileStarting(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
-	e.kafka.CreateTopicNamed(t, dlq.DefaultTopic(e.topic), 1)
 	waiting := make(chan struct{})
 	r, err := oncely.New(oncely.Config{Pool: e.runnerPool(t, e.db.URL), Schema: e.db.Schema, Brokers: e.kafka.Brokers,
 		BeforeStart: func(ctx context.Context) error {
@@ -448,7 +445,6 @@ func TestRunnerStopWhileStarting(t *testing.T) {
 func TestRunnerShutdownDeadline(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 1)
-	e.kafka.CreateTopicNamed(t, dlq.DefaultTopic(e.topic), 1)
 	const timeout = 4 * time.Second
 	r, err := oncely.New(oncely.Config{Pool: e.runnerPool(t, e.db.URL), Schema: e.db.Schema, Brokers: e.kafka.Brokers,
 		Relay: &outbox.RelayConfig{}, ShutdownTimeout: timeout})

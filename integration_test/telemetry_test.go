@@ -21,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/testhook"
 	"github.com/oncely/oncely/outbox"
@@ -103,6 +104,7 @@ func TestTraceFollowsMessageAcrossServices(t *testing.T) {
 	tl := newTel(t)
 	ctx := context.Background()
 	events := e.kafka.CreateTopic(t, "events", 1)
+	e.kafka.CreateTopicNamed(t, dlq.DefaultTopic(events), 1) // the second group consumes it
 	ob := e.outbox(t)
 	e.startRelay(ctx, t, func(c *outbox.RelayConfig) { c.TracerProvider, c.MeterProvider = tl.tp, tl.mp })
 
@@ -283,7 +285,7 @@ func TestDeadLetterAndRedriveKeepTheChain(t *testing.T) {
 	}))
 	cfg2.TracerProvider, cfg2.MeterProvider = tl.tp, tl.mp
 	v2 := e.start(ctx, cfg2)
-	if _, err := dlq.Redrive(ctx, e.kafka.Client(t), entries, dlq.RedriveOptions{}); err != nil {
+	if _, err := dlq.Redrive(ctx, e.kafka.Client(t), entries, dlq.RedriveOptions{Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool}); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, time.Minute, "redrive processed", func() bool { return v2.c.Stats().Processed == 1 })

@@ -21,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/brokercheck"
 	"github.com/oncely/oncely/internal/ratelog"
 	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/internal/testhook"
@@ -96,6 +97,9 @@ type Relay struct {
 
 	published, batches, produceErrs, deleted, parked atomic.Int64
 	running, dbDown                                  atomic.Bool
+	// brokers says whether a broker answered the last check; not until
+	// the first check answers.
+	brokers brokercheck.State
 }
 
 type relayQueries struct {
@@ -210,20 +214,29 @@ func (r *Relay) Stats() RelayStats {
 		ProduceErrors: r.produceErrs.Load(), Deleted: r.deleted.Load(), Parked: r.parked.Load()}
 }
 
-// Ready reports whether Run is publishing and the database answered the
-// relay's most recent query (it asks at least every PollInterval). Use it
-// for readiness probes: while the database is unreachable the relay
-// publishes nothing, and its rows wait in the outbox.
-func (r *Relay) Ready() bool { return r.running.Load() && !r.dbDown.Load() }
+// Ready reports whether Run is publishing, the database answered the
+// relay's most recent query (it asks at least every PollInterval), and a
+// Kafka broker answered its most recent check (made every PollInterval, or
+// every 2s when PollInterval is longer). Use it for readiness probes: while
+// either is unreachable the relay publishes nothing, and its rows wait in
+// the outbox. NotReady says why it is false.
+func (r *Relay) Ready() bool { return r.NotReady() == "" }
+
+// brokerCheckInterval bounds how often the relay checks that a broker
+// answers.
+const brokerCheckInterval = 2 * time.Second
 
 // NotReady says why Ready is false, for a readiness probe's answer; "" when
 // it is true.
 func (r *Relay) NotReady() string {
+	why, down := r.brokers.Down()
 	switch {
 	case !r.running.Load():
 		return "not publishing (starting, stopped or failed)"
 	case r.dbDown.Load():
 		return "the database did not answer its last query"
+	case down:
+		return why
 	}
 	return ""
 }
@@ -268,9 +281,17 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer wg.Wait()
 	bg, stopBG := context.WithCancel(ctx) // the helpers stop however Run returns
 	defer stopBG()
-	wg.Add(2)
+	wg.Add(3)
 	go func() { defer wg.Done(); r.listen(bg, wake) }()
 	go func() { defer wg.Done(); r.cleanup(bg) }()
+	// Checked every PollInterval, or every brokerCheckInterval when that
+	// is shorter; not ready until a broker answered.
+	r.brokers.Unchecked()
+	go func() {
+		defer wg.Done()
+		brokercheck.Watch(bg, cl, r.cfg.Brokers, max(min(r.cfg.PollInterval, brokerCheckInterval), 100*time.Millisecond),
+			&r.brokers, r.cfg.Logger, "oncely outbox relay")
+	}()
 
 	r.cfg.Logger.Info("oncely outbox relay started", "schema", r.outbox.schema, "shards", r.outbox.shards, "client_id", r.cfg.ClientID)
 	retryAt := map[int]time.Time{}
