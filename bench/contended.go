@@ -437,7 +437,6 @@ func (e *env) runContendedKafka(ctx context.Context, s cspec, members int) (res 
 		return res
 	}
 	defer e.deleteTopic(ctx, topic)
-	defer e.deleteTopic(ctx, dlq.DefaultTopic(topic))
 	total := s.n + e.opts.latencyRecords
 	p, err := e.newOrderProducer(topic, orderload.NewGen(total, co.customers, co.seed))
 	if err != nil {

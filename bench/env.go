@@ -16,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/migrations"
 )
@@ -307,9 +308,10 @@ func (e *env) newTopic(ctx context.Context, mode string, partitions int32) (stri
 		return "", err
 	}
 	defer cl.Close()
-	resp, err := kadm.NewClient(cl).CreateTopic(ctx, partitions, 1, nil, topic)
+	// The dead-letter topic too: the consumer checks at start-up that it exists.
+	resp, err := kadm.NewClient(cl).CreateTopics(ctx, partitions, 1, nil, topic, dlq.DefaultTopic(topic))
 	if err == nil {
-		err = resp.Err
+		err = resp.Error()
 	}
 	if err != nil {
 		return "", fmt.Errorf("create topic %s: %w", topic, err)
@@ -324,7 +326,7 @@ func (e *env) deleteTopic(ctx context.Context, topic string) {
 		return
 	}
 	defer cl.Close()
-	_, _ = kadm.NewClient(cl).DeleteTopic(ctx, topic)
+	_, _ = kadm.NewClient(cl).DeleteTopics(ctx, topic, dlq.DefaultTopic(topic))
 }
 
 // producer writes a mode's records to its topic: record i is what record

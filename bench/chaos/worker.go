@@ -75,7 +75,7 @@ func handWorker(args []string) error {
 	})
 	relay, err := outbox.NewRelay(outbox.RelayConfig{
 		Outbox: outbox.Config{Schema: *schema}, Pool: pool, Brokers: strings.Split(*brokers, ","),
-		ClientOpts: []kgo.Opt{kgo.AllowAutoTopicCreation()}, Logger: log,
+		Logger: log,
 	})
 	if err != nil {
 		return err

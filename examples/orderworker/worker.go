@@ -450,11 +450,11 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		BeforeStart: func(ctx context.Context) error { return st.createTables(ctx, pool) },
 		// Every instance runs a relay: relays share the outbox's shards
 		// through advisory locks, so per-customer event order holds with
-		// any number of them. Its topics are created on first use where
-		// the brokers allow it.
+		// any number of them. It creates no topic: the events topic must
+		// exist, as the consumed ones must (the runner checks those).
 		// Its Kafka client id is the instance id, like the consumer's
 		// (empty: oncely-<hostname>-<pid>).
-		Relay:           &outbox.RelayConfig{ClientOpts: []kgo.Opt{kgo.AllowAutoTopicCreation()}, ClientID: cfg.InstanceID},
+		Relay:           &outbox.RelayConfig{ClientID: cfg.InstanceID},
 		ExtraConns:      httpConns,
 		ShutdownTimeout: shutdownTimeout,
 	})
