@@ -38,8 +38,24 @@
 //
 // A record redriven from a dead-letter topic (it carries the
 // dlq.HeaderRedrive header and its original dedup id) is processed once more
-// if the inbox holds its id as dead-lettered, and is a duplicate if the id
-// was processed since.
+// if the inbox holds its id as dead-lettered and a redrive grant for it
+// exists (recorded by dlq.Redrive): its claim consumes the grant in the same
+// transaction, so each redrive runs the message once. Without a grant (the
+// header alone, which any producer can write) or if the id was processed
+// since, it is a duplicate.
+//
+// # Start-up and readiness
+//
+// Run fails at start-up, with an error naming what is wrong, when the inbox
+// table is missing (ErrNotMigrated) or when a topic or its dead-letter
+// topic does not exist (ErrMissingTopics): the consumer never creates
+// topics. Brokers that do not answer at start-up are waited for; past
+// Config.BrokerTimeout an ERROR names them. Ready is false, and NotReady
+// says why, while no broker answers (checked every two seconds, and while
+// starting), a partition waits for the
+// database or for its dead-letter topic, or a partition has been on one
+// record longer than Config.StuckAfter. Only the partitions the member owns
+// count: a revoked one stops counting at once.
 //
 // # Records that kill the process
 //
