@@ -3,18 +3,19 @@
 // dispatchers, and the HTTP servers that feed the outbox, configured once and
 // shut down in order.
 //
+//	pool, err := oncely.NewPool(ctx, url, "payments") // search_path: the schema
 //	r, err := oncely.New(oncely.Config{
-//		Pool:    pool,
-//		Schema:  "payments",
-//		Brokers: brokers,
-//		Migrate: true,
-//		Relay:   &outbox.RelayConfig{},
+//		Pool:     pool,
+//		Schema:   "payments",
+//		Brokers:  brokers,
+//		Migrate:  true,
+//		Relay:    &outbox.RelayConfig{},
+//		HTTPAddr: ":8080", // GET /livez, /readyz, /metrics, and the routes of Handle
 //	})
 //	c, err := r.AddConsumer(consumer.Config{Group: "payments", Topics: []string{"payments"}, Handler: h})
 //	keys, err := r.Idempotency(idempotency.Config{Scope: account}) // keys per client; cleanup runs with the others
-//	mux.Handle("/", r.Handler())                                   // GET /livez, /readyz, /metrics
-//	r.AddServer(&http.Server{Handler: mux}, ln)
-//	err = r.Run(ctx)                                               // until ctx is done
+//	r.Handle("POST /payments", keys.Require(api))
+//	err = r.Run(ctx) // until ctx is done
 //
 // # What it does
 //

@@ -195,13 +195,16 @@ func (r *Runner) checkTopics(ctx context.Context, cl *kgo.Client) ([]Reason, err
 	return missing, nil
 }
 
-// Handler serves GET /livez, GET /readyz and GET /metrics.
+// Handler serves GET /livez, GET /readyz and GET /metrics, and the routes
+// added with Handle.
 //
 // /livez answers 200 while Run runs (and before), 503 once it returned.
 // /readyz answers 200 "ready" when Ready returns nil, and 503 otherwise
 // with one "component: reason" line each, or, when the request accepts
 // application/json, {"ready": false, "reasons": [{"component", "reason"}]}.
-func (r *Runner) Handler() http.Handler {
+func (r *Runner) Handler() http.Handler { return r.mux }
+
+func (r *Runner) newMux() *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) {
 		if *r.phase.Load() == phaseStopped {

@@ -57,6 +57,16 @@ type Config struct {
 	// pass its handler here.
 	MetricsHandler http.Handler
 
+	// HTTPAddr, when set, makes the runner serve Handler (its endpoints and
+	// the application's routes, see Handle) on this address, as AddServer
+	// does: from the start of Run, and stopped first on the way out. An
+	// address Run cannot listen on is its error, before anything starts.
+	// Listener, when set, is served instead of listening on HTTPAddr (a
+	// test's 127.0.0.1:0, an inherited socket). For other server settings
+	// than a 5s ReadHeaderTimeout, use AddServer.
+	HTTPAddr string
+	Listener net.Listener
+
 	// Migrate applies oncely's pending migrations to Schema at the start of
 	// Run, under the migrations' advisory lock (any number of instances may
 	// start at once). Without it, Run fails when a migration is missing.
@@ -122,6 +132,7 @@ type Runner struct {
 
 	ownMeter *sdkmetric.MeterProvider // built by New; shut down by Run
 	metrics  http.Handler
+	mux      *http.ServeMux // Handler: the runner's endpoints and Handle's routes
 
 	mu      sync.Mutex // guards the Add methods against Run
 	ran     bool
@@ -219,6 +230,11 @@ func New(cfg Config) (*Runner, error) {
 	}
 	if int(cfg.Pool.Config().MaxConns) <= r.reserve {
 		return nil, r.poolTooSmall(r.reserve+1-int(cfg.Pool.Config().MaxConns), "a consumer")
+	}
+	r.mux = r.newMux()
+	if cfg.HTTPAddr != "" || cfg.Listener != nil {
+		srv := &http.Server{Addr: cfg.HTTPAddr, Handler: r.mux, ReadHeaderTimeout: 5 * time.Second}
+		r.servers = append(r.servers, newServer(srv, cfg.Listener, "Config.HTTPAddr"))
 	}
 	return r, nil
 }
@@ -454,10 +470,16 @@ func (r *Runner) Go(name string, run func(ctx context.Context) error) error {
 }
 
 // server is an HTTP server of AddServer; closed is closed once its listener
-// is: intake has stopped.
+// is: intake has stopped. A nil ln.Listener is opened by Run on srv.Addr,
+// which field names in errors.
 type server struct {
-	srv *http.Server
-	ln  *closeListener
+	srv   *http.Server
+	ln    *closeListener
+	field string
+}
+
+func newServer(srv *http.Server, ln net.Listener, field string) *server {
+	return &server{srv: srv, ln: &closeListener{Listener: ln, closed: make(chan struct{})}, field: field}
 }
 
 type closeListener struct {
@@ -476,15 +498,42 @@ func (l *closeListener) Close() error {
 // /readyz answer while it migrates), and stop it first on the way out: the
 // listener closes before the consumers are told to drain, and the requests
 // in flight may finish until the relay's final flush.
+//
+// A nil ln makes Run listen on srv.Addr (":http" when empty) first thing:
+// an address in use is Run's error, before anything starts.
 func (r *Runner) AddServer(srv *http.Server, ln net.Listener) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if err := r.addable("AddServer"); err != nil {
 		return err
 	}
-	r.servers = append(r.servers, &server{srv: srv, ln: &closeListener{Listener: ln, closed: make(chan struct{})}})
+	r.servers = append(r.servers, newServer(srv, ln, "http.Server.Addr"))
 	return nil
 }
+
+// listen opens the listeners Run serves that are not open yet; when one
+// fails, it closes those it opened.
+func (r *Runner) listen(ctx context.Context) error {
+	for i, s := range r.servers {
+		if s.ln.Listener != nil {
+			continue
+		}
+		ln, err := new(net.ListenConfig).Listen(ctx, "tcp", cmp.Or(s.srv.Addr, ":http"))
+		if err != nil {
+			for _, o := range r.servers[:i] {
+				_ = o.ln.Close()
+			}
+			return fmt.Errorf("oncely: %s: %w", s.field, err)
+		}
+		s.ln.Listener = ln
+	}
+	return nil
+}
+
+// Handle adds a route to Handler, and so to the server of Config.HTTPAddr:
+// the application's API and webhook endpoints beside /livez, /readyz and
+// /metrics. Patterns are http.ServeMux's, which panics on a conflicting one.
+func (r *Runner) Handle(pattern string, h http.Handler) { r.mux.Handle(pattern, h) }
 
 // Started reports whether Run got past its start-up (migrations, BeforeStart
 // and the checks) and started the components. It stays true during the

@@ -26,6 +26,9 @@ func (r *Runner) Run(ctx context.Context) error {
 	r.ran = true
 	r.mu.Unlock()
 	defer r.setPhase(&phaseStopped)
+	if err := r.listen(ctx); err != nil {
+		return err
+	}
 
 	s := &supervisor{stopping: make(chan struct{})}
 	defer context.AfterFunc(ctx, func() { s.stop("", nil) })()
