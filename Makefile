@@ -13,11 +13,17 @@ FUZZTIME ?= 30s
 # environment.
 PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/... ./oncelytest/...
 
-.PHONY: check-user-deps tidy-check demo test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
+.PHONY: check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
 	$(GO) run ./examples/orderworker demo
+
+## example-payments: the payments service of docs/QUICKSTART.md, built and tested end to
+## end (oncelytest: an in-process Kafka and a schema of its own); make test runs it too
+example-payments:
+	$(GO) build -o /dev/null ./examples/payments
+	$(GO) test $(TEST_FLAGS) ./examples/payments/
 
 ## test: every test of every module (PKGS), with the race detector, against DATABASE_URL and kfake
 test:

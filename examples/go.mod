@@ -6,6 +6,7 @@ require (
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/oncely/oncely v0.0.0
 	github.com/oncely/oncely/internal/testenv v0.0.0
+	github.com/oncely/oncely/oncelytest v0.0.0
 	github.com/twmb/franz-go v1.22.2
 	github.com/twmb/franz-go/pkg/kadm v1.19.0
 	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c
@@ -100,4 +101,5 @@ require (
 replace (
 	github.com/oncely/oncely => ../
 	github.com/oncely/oncely/internal/testenv => ../internal/testenv
+	github.com/oncely/oncely/oncelytest => ../oncelytest
 )
