@@ -3,11 +3,9 @@ package oncely_test
 import (
 	"context"
 	"log"
-	"net"
 	"net/http"
 	"os"
 	"os/signal"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -38,6 +36,7 @@ func Example() {
 	r, err := oncely.New(oncely.Config{
 		Pool:       pool,
 		Schema:     "payments", // once, for every component
+		HTTPAddr:   ":8080",
 		Brokers:    []string{"localhost:9092"},
 		Migrate:    true,
 		Relay:      &outbox.RelayConfig{},
@@ -65,18 +64,10 @@ func Example() {
 		log.Fatal(err)
 	}
 
-	mux := http.NewServeMux()
-	mux.Handle("/", r.Handler()) // GET /livez, /readyz, /metrics
-	mux.Handle("POST /payments", keys.Require(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+	// Served on Config.HTTPAddr beside GET /livez, /readyz and /metrics.
+	r.Handle("POST /payments", keys.Require(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		w.WriteHeader(http.StatusAccepted) // write through idempotency.Tx(req.Context())
 	})))
-	ln, err := net.Listen("tcp", ":8080")
-	if err != nil {
-		log.Fatal(err)
-	}
-	if err := r.AddServer(&http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}, ln); err != nil {
-		log.Fatal(err)
-	}
 	if err := r.Run(ctx); err != nil { // until SIGINT, then HTTP, consumers and relay stop in order
 		log.Fatal(err)
 	}
