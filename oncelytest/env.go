@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -23,9 +24,15 @@ type DB struct {
 	URL    string // the server's connection string
 	Schema string // the schema: set it as the Schema of every oncely config
 	// Pool is a pool whose connections have Schema as their search_path, so
-	// the test's own tables land there too.
+	// the test's own tables land there too. It is sized for a runner, as
+	// oncely.NewPool sizes one: 16 connections unless url sets
+	// pool_max_conns.
 	Pool *pgxpool.Pool
 }
+
+// runnerMaxConns is oncely.DefaultMaxConns (this package does not import
+// the runner's, to keep its telemetry dependencies out of a test's graph).
+const runnerMaxConns = 16
 
 // Schema creates a uniquely named schema on the Postgres at url (DATABASE_URL
 // when url is empty), applies oncely's migrations to it, and returns it with
@@ -66,6 +73,9 @@ func Schema(tb testing.TB, url string) *DB {
 		tb.Fatalf("oncelytest: %v", err)
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	if !strings.Contains(url, "pool_max_conns") {
+		cfg.MaxConns = runnerMaxConns
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		tb.Fatalf("oncelytest: pool: %v", err)

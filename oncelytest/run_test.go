@@ -11,9 +11,11 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/oncely/oncely"
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/oncelytest"
+	"github.com/oncely/oncely/outbox"
 )
 
 // paymentsDB is a schema with a payments table whose id is unique at
@@ -208,5 +210,37 @@ func TestEndToEnd(t *testing.T) {
 	}
 	if n := countPayments(t, db); n != 2 {
 		t.Errorf("%d payments, want 2", n)
+	}
+}
+
+// A runner with a relay, room for HTTP handlers and a consumer runs on
+// Schema's pool (sized for it) and StartKafka's broker, and processes a
+// record in the test's schema.
+func TestRunnerOnSchema(t *testing.T) {
+	t.Parallel()
+	db := paymentsDB(t)
+	k := oncelytest.StartKafka(t, "payments", dlq.DefaultTopic("payments"))
+	r, err := oncely.New(oncely.Config{Pool: db.Pool, Schema: db.Schema, Brokers: k.Brokers,
+		Relay: &outbox.RelayConfig{}, ExtraConns: 10})
+	if err != nil {
+		t.Fatalf("a runner on Schema's pool: %v", err)
+	}
+	if _, err := r.AddConsumer(consumer.Config{Group: "payments", Topics: []string{"payments"}, Handler: pay}); err != nil {
+		t.Fatal(err)
+	}
+	k.Produce(t, oncelytest.NewMessage("payments", []byte("p1"), []byte("100")).Record)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	deadline := time.Now().Add(time.Minute)
+	for countPayments(t, db) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the record not processed within a minute")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Run: %v", err)
 	}
 }
