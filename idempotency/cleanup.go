@@ -10,10 +10,16 @@ import (
 // batches of Config.CleanupBatchSize until none are left, and returns how
 // many it deleted. Expired rows are already ignored by requests (a request
 // takes an expired key over), so cleanup only bounds the table's size.
+//
+// Only the Postgres store (New) has rows to delete; with another store
+// DeleteExpired returns 0 at once (Redis expires its keys itself).
 func (m *Middleware) DeleteExpired(ctx context.Context) (int64, error) {
+	if m.pg == nil {
+		return 0, nil
+	}
 	var total int64
 	for {
-		tag, err := m.db.Exec(ctx, m.q.deleteExpired, m.cfg.CleanupBatchSize)
+		tag, err := m.pg.db.Exec(ctx, m.pg.q.deleteExpired, m.cfg.CleanupBatchSize)
 		if err != nil {
 			return total, fmt.Errorf("idempotency: delete expired: %w", err)
 		}

@@ -168,19 +168,14 @@ func DefaultStoreStatus(status int) bool {
 // Middleware makes keyed requests take effect once. Create it with New and
 // wrap handlers with Handler or Require.
 type Middleware struct {
-	db         DB
+	store      Store
+	pg         *pgStore // the store of New; nil for NewWithStore
 	cfg        Config
 	methods    map[string]bool
 	replay     map[string]bool // canonical header names
 	retryAfter string
-	ttl        float64 // seconds
-	q          queries
 	hooks      hooks
 	tel        *telemetry.Requests
-}
-
-type queries struct {
-	claim, load, record, deleteExpired string
 }
 
 // hooks are the test-only crash points (set through export_test.go).
@@ -191,7 +186,9 @@ type hooks struct {
 	afterCommit func(r *http.Request) error
 }
 
-// New validates cfg, fills in its defaults and builds the SQL.
+// New validates cfg, fills in its defaults and builds the SQL of the
+// Postgres store: keys live in the idempotency_keys table of Config.Schema,
+// and the handler's writes through [Tx] commit with the response.
 func New(db DB, cfg Config) (*Middleware, error) {
 	if db == nil {
 		return nil, errors.New("idempotency: db is nil")
@@ -200,6 +197,23 @@ func New(db DB, cfg Config) (*Middleware, error) {
 	if err := sqlident.ValidateSchema("idempotency: Config.Schema", cfg.Schema); err != nil {
 		return nil, err
 	}
+	pg := newPGStore(db, cfg.Schema)
+	return newMiddleware(pg, pg, cfg)
+}
+
+// NewWithStore is New with another Store, such as package
+// idempotency/redisstore's. Config.Schema and the cleanup settings do not
+// apply (the store expires its keys itself), [Tx] reports false in the
+// handler, and the handler's effects are not undone with the key: see the
+// store's documentation for what it guarantees.
+func NewWithStore(store Store, cfg Config) (*Middleware, error) {
+	if store == nil {
+		return nil, errors.New("idempotency: store is nil")
+	}
+	return newMiddleware(store, nil, cfg)
+}
+
+func newMiddleware(store Store, pg *pgStore, cfg Config) (*Middleware, error) {
 	if cfg.GlobalScope && cfg.Scope != nil {
 		return nil, errors.New("idempotency: Config.GlobalScope and Config.Scope are both set: keys are either per client (Scope) or shared by all clients (GlobalScope)")
 	}
@@ -270,54 +284,14 @@ func New(db DB, cfg Config) (*Middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := sqlident.Table(cfg.Schema, "idempotency_keys")
 	return &Middleware{
 		tel:        tel,
-		db:         db,
+		store:      store,
+		pg:         pg,
 		cfg:        cfg,
 		methods:    methods,
 		replay:     replay,
 		retryAfter: strconv.FormatInt(int64(math.Ceil(cfg.RetryAfter.Seconds())), 10),
-		ttl:        cfg.TTL.Seconds(),
-		q: queries{
-			// One round trip decides the request's fate. The advisory
-			// lock is the "in progress" marker: it is tried without
-			// waiting (held = false: another open transaction owns the
-			// key, 409) and lives exactly as long as this transaction.
-			// Only then is the row inserted; claimed = false means a
-			// committed row holds the key (replay or 422). A committed
-			// row that has expired, or that holds no response (status 0:
-			// only possible if a handler committed the transaction behind
-			// the middleware's back), is taken over. The lock CTE is
-			// materialized, so it runs once, before the insert reads it.
-			claim: `WITH held_lock AS MATERIALIZED (
-					SELECT pg_try_advisory_xact_lock($5::bigint) AS held
-				), claimed AS (
-					INSERT INTO ` + t + ` AS k (scope, key, fingerprint, expires_at)
-					SELECT $1::text, $2::text, $3::bytea, now() + make_interval(secs => $4::float8)
-					FROM held_lock WHERE held_lock.held
-					ON CONFLICT (scope, key) DO UPDATE
-					SET fingerprint = EXCLUDED.fingerprint, status = 0,
-					    header_names = '{}', header_values = '{}', body = '',
-					    created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at
-					WHERE k.expires_at <= now() OR k.status = 0
-					RETURNING 1
-				)
-				SELECT held, EXISTS (SELECT FROM claimed) FROM held_lock`,
-			load: `SELECT fingerprint, status, header_names, header_values, body
-				FROM ` + t + ` WHERE scope = $1 AND key = $2`,
-			record: `UPDATE ` + t + `
-				SET status = $3, header_names = $4, header_values = $5, body = $6, completed_at = now()
-				WHERE scope = $1 AND key = $2 AND status = 0`,
-			// Database time decides expiry; SKIP LOCKED steps over rows a
-			// request is taking over or replaying right now.
-			deleteExpired: `DELETE FROM ` + t + ` WHERE (scope, key) IN (
-				SELECT scope, key FROM ` + t + `
-				WHERE expires_at <= now()
-				ORDER BY expires_at
-				LIMIT $1
-				FOR UPDATE SKIP LOCKED)`,
-		},
 	}, nil
 }
 
@@ -356,8 +330,9 @@ func (m *Middleware) Schema() string { return m.cfg.Schema }
 
 type ctxKey struct{}
 
+type txKey struct{}
+
 type request struct {
-	tx         pgx.Tx
 	scope, key string
 }
 
@@ -365,13 +340,11 @@ type request struct {
 // handler's writes through it commit together with the recorded response,
 // or not at all. The middleware owns it: its Commit and Rollback return
 // ErrTxOwned (use a savepoint, tx.Begin, to undo part of the work; answer a
-// status that is not stored, such as a 5xx, to undo all of it).
+// status that is not stored, such as a 5xx, to undo all of it). Only the
+// Postgres store (New) has one: under NewWithStore Tx reports false.
 func Tx(ctx context.Context) (pgx.Tx, bool) {
-	req, ok := ctx.Value(ctxKey{}).(*request)
-	if !ok {
-		return nil, false
-	}
-	return req.tx, true
+	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
+	return tx, ok
 }
 
 // Key returns the scope and key of the keyed request that ctx belongs to,
@@ -487,7 +460,8 @@ func Client(ctx context.Context) (string, bool) {
 	return c, ok && c != ""
 }
 
-// run is the whole life of a keyed request, in one transaction:
+// run is the whole life of a keyed request. With the Postgres store (New)
+// it is one transaction:
 //
 //	BEGIN
 //	  claim: try the key's advisory lock, INSERT the key row   -- first statement
@@ -501,48 +475,42 @@ func Client(ctx context.Context) (string, bool) {
 //
 // A crash anywhere before COMMIT rolls everything back (the key too), so the
 // retry runs afresh; a crash after COMMIT leaves a row whose replay is the
-// response the client missed.
+// response the client missed. Other stores follow the same steps through
+// the Store interface: claim, handler, record or release.
 func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, scope, key string, fp []byte) result {
 	ctx := r.Context()
-	tx, err := m.db.Begin(ctx)
-	if err != nil {
-		return m.unavailable(w, r, "begin", err)
-	}
-	defer rollback(ctx, tx) // runs on panics too; a no-op after Commit
-
-	var held, claimed bool
-	err = tx.QueryRow(ctx, m.q.claim, scope, key, fp, m.ttl, lockKey(m.cfg.Schema, scope, key)).Scan(&held, &claimed)
+	claim, err := m.store.Claim(ctx, scope, key, fp, m.cfg.TTL)
 	switch {
-	case isBusy(err):
-		return m.inProgress(w)
 	case err != nil:
 		return m.unavailable(w, r, "claim key", err)
-	case !held:
+	case claim.State == ClaimBusy:
 		return m.inProgress(w)
-	case !claimed:
-		return m.replayStored(w, r, tx, scope, key, fp)
+	case claim.State == ClaimStored:
+		return m.replayStored(w, claim.Stored, fp)
 	}
+	lease := claim.Lease
+	defer lease.Release(ctx) // runs on panics too; a no-op after Record
 
 	rec := newRecorder(m.cfg.MaxResponseBytes)
-	hctx := context.WithValue(ctx, ctxKey{}, &request{tx: ownedTx{tx}, scope: scope, key: key})
+	hctx := lease.Context(context.WithValue(ctx, ctxKey{}, &request{scope: scope, key: key}))
 	next.ServeHTTP(rec, r.WithContext(hctx))
 	rec.finish()
 
 	switch {
 	case rec.err != nil:
-		rollback(ctx, tx)
+		lease.Release(ctx)
 		m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: handler response not recorded", "err", rec.err, "limit", m.cfg.MaxResponseBytes)
 		problem(w, http.StatusInternalServerError, "the response could not be recorded; the request had no effect")
 		return result{outcome: OutcomeFailed, status: http.StatusInternalServerError, err: rec.err}
 	case !m.cfg.StoreStatus(rec.status):
-		rollback(ctx, tx)
+		lease.Release(ctx)
 		rec.writeTo(w)
 		return result{outcome: OutcomeNotStored, status: rec.status}
-	case tx.Conn().PgConn().TxStatus() == 'E':
+	case lease.Failed():
 		// A statement of the handler failed and the handler answered
 		// anyway: nothing of the transaction can commit. A refusal
 		// (4xx) is passed through unrecorded; a success would be a lie.
-		rollback(ctx, tx)
+		lease.Release(ctx)
 		if rec.status >= 400 {
 			rec.writeTo(w)
 			return result{outcome: OutcomeNotStored, status: rec.status}
@@ -562,12 +530,12 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	if body == nil {
 		body = []byte{} // an empty body, not NULL
 	}
-	tag, err := tx.Exec(wctx, m.q.record, scope, key, rec.status, names, values, body)
-	if err == nil && tag.RowsAffected() != 1 {
-		err = errors.New("the key row is gone")
-	}
-	if err == nil {
-		err = tx.Commit(wctx)
+	err = lease.Record(wctx, StoredResponse{Fingerprint: fp, Status: rec.status, Names: names, Values: values, Body: body})
+	if errors.Is(err, ErrLeaseLost) {
+		m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: response not recorded: the key was taken over", "err", err)
+		w.Header().Set("Retry-After", m.retryAfter)
+		problem(w, http.StatusConflict, "this request's hold on its "+m.cfg.Header+" expired and a newer request took it over; retry to get that request's response")
+		return result{outcome: OutcomeConflict, status: http.StatusConflict, err: err}
 	}
 	if err != nil {
 		// Not committed, or (a connection lost during COMMIT) unknown:
@@ -581,31 +549,14 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	return result{outcome: OutcomeStored, status: rec.status}
 }
 
-// replayStored answers a request whose key is held by a committed row.
-func (m *Middleware) replayStored(w http.ResponseWriter, r *http.Request, tx pgx.Tx, scope, key string, fp []byte) result {
-	ctx := r.Context()
-	var (
-		storedFP      []byte
-		status        int
-		names, values []string
-		body          []byte
-	)
-	err := tx.QueryRow(ctx, m.q.load, scope, key).Scan(&storedFP, &status, &names, &values, &body)
-	rollback(ctx, tx) // release the key before writing to a possibly slow client
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return m.inProgress(w) // deleted by cleanup a moment ago: the retry runs afresh
-	case err != nil:
-		return m.unavailable(w, r, "load response", err)
-	case !bytes.Equal(storedFP, fp):
+// replayStored answers a request whose key holds a recorded response.
+func (m *Middleware) replayStored(w http.ResponseWriter, stored StoredResponse, fp []byte) result {
+	if !bytes.Equal(stored.Fingerprint, fp) {
 		problem(w, http.StatusUnprocessableEntity, "this "+m.cfg.Header+" was already used for a different request (method, path, query or body differ)")
 		return result{outcome: OutcomeMismatch, status: http.StatusUnprocessableEntity}
-	case status == 0 || len(names) != len(values):
-		return m.unavailable(w, r, "load response", fmt.Errorf("corrupt row: status %d, %d header names, %d values", status, len(names), len(values)))
-	default:
-		writeReplay(w, status, names, values, body)
-		return result{outcome: OutcomeReplayed, status: status}
 	}
+	writeReplay(w, stored.Status, stored.Names, stored.Values, stored.Body)
+	return result{outcome: OutcomeReplayed, status: stored.Status}
 }
 
 func (m *Middleware) inProgress(w http.ResponseWriter) result {
@@ -615,25 +566,10 @@ func (m *Middleware) inProgress(w http.ResponseWriter) result {
 }
 
 func (m *Middleware) unavailable(w http.ResponseWriter, r *http.Request, op string, err error) result {
-	m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: database failure", "op", op, "err", err)
+	m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: store failure", "op", op, "err", err)
 	w.Header().Set("Retry-After", m.retryAfter)
 	problem(w, http.StatusServiceUnavailable, "the request was not completed; it is safe to retry")
 	return result{outcome: OutcomeUnavailable, status: http.StatusServiceUnavailable, err: fmt.Errorf("%s: %w", op, err)}
-}
-
-// isBusy reports a lock that could not be taken at once: lock_not_available
-// (55P03, e.g. under a lock_timeout set for the role) or, under REPEATABLE
-// READ or SERIALIZABLE defaults, a serialization failure (40001) against a
-// concurrent request for the same key.
-func isBusy(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && (pgErr.Code == "55P03" || pgErr.Code == "40001")
-}
-
-func rollback(ctx context.Context, tx pgx.Tx) {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	_ = tx.Rollback(ctx) // after a commit or a first rollback: ErrTxClosed
 }
 
 // validToken reports whether s is an RFC 9110 token (header names, methods).
