@@ -19,7 +19,8 @@ import (
 // closes new ones at once, until Restore. It needs the database's URL in
 // postgres:// form.
 type PostgresProxy struct {
-	URL string // the database's URL with the proxy's address
+	URL  string // the database's URL with the proxy's address
+	Addr string // the proxy's host:port
 
 	target string
 	ln     net.Listener
@@ -49,13 +50,21 @@ func NewPostgresProxyAt(t testing.TB, dbURL string) *PostgresProxy {
 	if err != nil || u.Scheme == "" {
 		t.Fatalf("pgtest: proxy: DATABASE_URL must be a postgres:// URL")
 	}
+	p := NewTCPProxy(t, net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
+	u.Host = p.Addr
+	p.URL = u.String()
+	return p
+}
+
+// NewTCPProxy starts a proxy to any TCP server at target (host:port), such
+// as Redis, stopped when the test ends; clients dial its Addr. URL is empty.
+func NewTCPProxy(t testing.TB, target string) *PostgresProxy {
+	t.Helper()
 	ln, err := (&net.ListenConfig{}).Listen(context.Background(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatalf("pgtest: proxy: %v", err)
 	}
-	u.Host = ln.Addr().String()
-	p := &PostgresProxy{URL: u.String(), target: net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), ln: ln,
-		conns: map[net.Conn]struct{}{}}
+	p := &PostgresProxy{Addr: ln.Addr().String(), target: target, ln: ln, conns: map[net.Conn]struct{}{}}
 	p.wg.Add(1)
 	go p.accept()
 	t.Cleanup(func() {

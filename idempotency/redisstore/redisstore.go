@@ -1,0 +1,309 @@
+package redisstore
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/oncely/oncely/idempotency"
+)
+
+// Defaults of Config.
+const (
+	DefaultPrefix  = "oncely:idem:"
+	DefaultLockTTL = 30 * time.Second
+)
+
+// Config configures a Store. Every field is optional.
+type Config struct {
+	// Prefix starts every key the store writes, so that several stores
+	// (or applications) share one Redis. It must not contain '{' or '}':
+	// the store's own hash tag follows it. Default "oncely:idem:".
+	Prefix string
+	// LockTTL is how long a claim holds a key without a heartbeat: the
+	// time after which a process that died mid-request frees its keys.
+	// While the handler runs, a heartbeat extends it every Heartbeat.
+	// Default 30 seconds, at least 100 ms.
+	LockTTL time.Duration
+	// Heartbeat is the pause between extensions of a running request's
+	// lock. Default LockTTL/3; it must be below LockTTL.
+	Heartbeat time.Duration
+	// Logger receives heartbeat failures. Default: discard.
+	Logger *slog.Logger
+}
+
+// Store is the Redis idempotency.Store. Create it with New and pass it to
+// idempotency.NewWithStore.
+type Store struct {
+	rdb       redis.UniversalClient
+	cfg       Config
+	lockMS    int64
+	heartbeat time.Duration
+}
+
+// New validates cfg and fills in its defaults. rdb may be a single-node,
+// Sentinel (failover) or Cluster client: every script touches the keys of
+// one hash slot only.
+func New(rdb redis.UniversalClient, cfg Config) (*Store, error) {
+	if rdb == nil {
+		return nil, errors.New("redisstore: rdb is nil")
+	}
+	if strings.ContainsAny(cfg.Prefix, "{}") {
+		return nil, fmt.Errorf("redisstore: Config.Prefix: %q contains '{' or '}', which would change the keys' hash slot", cfg.Prefix)
+	}
+	cfg.Prefix = cmp.Or(cfg.Prefix, DefaultPrefix)
+	if cfg.LockTTL < 0 || (cfg.LockTTL > 0 && cfg.LockTTL < 100*time.Millisecond) {
+		return nil, fmt.Errorf("redisstore: Config.LockTTL: %s is below 100ms (0: default %s)", cfg.LockTTL, DefaultLockTTL)
+	}
+	cfg.LockTTL = cmp.Or(cfg.LockTTL, DefaultLockTTL)
+	if cfg.Heartbeat < 0 || cfg.Heartbeat >= cfg.LockTTL {
+		return nil, fmt.Errorf("redisstore: Config.Heartbeat: %s is outside (0, Config.LockTTL = %s) (0: default LockTTL/3)", cfg.Heartbeat, cfg.LockTTL)
+	}
+	cfg.Heartbeat = cmp.Or(cfg.Heartbeat, cfg.LockTTL/3)
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	return &Store{rdb: rdb, cfg: cfg, lockMS: cfg.LockTTL.Milliseconds(), heartbeat: cfg.Heartbeat}, nil
+}
+
+// Keys returns the two Redis keys of (scope, key): the record (a hash with
+// the fencing token, the holder and, once recorded, the response) and the
+// lock. Both carry the same hash tag, so they share a Cluster slot.
+func (s *Store) Keys(scope, key string) (record, lock string) {
+	h := sha256.New()
+	var n [binary.MaxVarintLen64]byte
+	h.Write(n[:binary.PutUvarint(n[:], uint64(len(scope)))])
+	h.Write([]byte(scope))
+	h.Write([]byte(key))
+	tag := "{" + hex.EncodeToString(h.Sum(nil)) + "}"
+	return s.cfg.Prefix + tag, s.cfg.Prefix + tag + ":lock"
+}
+
+// The scripts. KEYS[1] is the record hash, KEYS[2] the lock. The record's
+// fields: token (the fencing counter, incremented by every claim), holder
+// (the token and nonce of the latest claim), exp (when a recorded response
+// expires, in ms of Redis time), and once recorded fp, status, hdr, body.
+var (
+	// claim: ARGV lock ms, ttl ms, nonce. Returns {2, fp, status, hdr,
+	// body} (stored), {1} (busy) or {3, holder} (claimed).
+	claimScript = redis.NewScript(`
+local r = redis.call('HMGET', KEYS[1], 'status', 'fp', 'hdr', 'body')
+if r[1] then return {2, r[2], r[1], r[3], r[4]} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {1} end
+local n = redis.call('HINCRBY', KEYS[1], 'token', 1)
+local holder = n .. ':' .. ARGV[3]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'holder', holder, 'exp', now + tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[1])))
+redis.call('SET', KEYS[2], holder, 'PX', ARGV[1])
+return {3, holder}
+`)
+	// extend: ARGV holder, lock ms. Re-arms the lock while the holder is
+	// still the latest claim (the lock is then ours or lapsed, never
+	// another's), and keeps the record alive at least as long.
+	extendScript = redis.NewScript(`
+if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] or redis.call('HEXISTS', KEYS[1], 'status') == 1 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+`)
+	// record: ARGV holder, fp, status, hdr, body. Stores the response only
+	// for the latest claim (the fencing check), with the expiry the claim
+	// set, and frees the lock.
+	recordScript = redis.NewScript(`
+if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] or redis.call('HEXISTS', KEYS[1], 'status') == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'status', ARGV[3], 'hdr', ARGV[4], 'body', ARGV[5])
+redis.call('PEXPIREAT', KEYS[1], redis.call('HGET', KEYS[1], 'exp'))
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return 1
+`)
+	// release: ARGV holder. Frees the lock of an unrecorded claim that is
+	// still the latest one.
+	releaseScript = redis.NewScript(`
+if redis.call('HGET', KEYS[1], 'holder') == ARGV[1] and redis.call('HEXISTS', KEYS[1], 'status') == 0 then
+  redis.call('DEL', KEYS[2])
+  return 1
+end
+return 0
+`)
+)
+
+// Claim implements idempotency.Store in one round trip: the response if
+// one is recorded, else busy if the lock is held, else a new fencing token
+// and the lock, atomically.
+func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl time.Duration) (idempotency.Claim, error) {
+	record, lock := s.Keys(scope, key)
+	nonce := make([]byte, 12)
+	_, _ = rand.Read(nonce)
+	res, err := claimScript.Run(ctx, s.rdb, []string{record, lock}, s.lockMS, ttl.Milliseconds(), hex.EncodeToString(nonce)).Slice()
+	if err != nil {
+		return idempotency.Claim{}, fmt.Errorf("redisstore: claim: %w", err)
+	}
+	state, _ := res[0].(int64)
+	switch {
+	case state == 1:
+		return idempotency.Claim{State: idempotency.ClaimBusy}, nil
+	case state == 2 && len(res) == 5:
+		stored, err := decodeStored(res[1:])
+		if err != nil {
+			return idempotency.Claim{}, fmt.Errorf("redisstore: claim: corrupt record %s: %w", record, err)
+		}
+		return idempotency.Claim{State: idempotency.ClaimStored, Stored: stored}, nil
+	case state == 3 && len(res) == 2:
+		holder, _ := res[1].(string)
+		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, keys: []string{record, lock}, holder: holder}}, nil
+	}
+	return idempotency.Claim{}, fmt.Errorf("redisstore: claim: unexpected reply %v", res)
+}
+
+// lease is a claimed key: its holder token, and the heartbeat that keeps
+// its lock alive while the handler runs.
+type lease struct {
+	s      *Store
+	keys   []string
+	holder string
+
+	once   sync.Once
+	stop   chan struct{}
+	done   chan struct{}
+	cancel context.CancelCauseFunc
+}
+
+// Context starts the heartbeat; the handler's context is cancelled (cause
+// idempotency.ErrLeaseLost) once Redis says a newer claim took the key.
+func (l *lease) Context(ctx context.Context) context.Context {
+	hctx, cancel := context.WithCancelCause(ctx)
+	l.cancel, l.stop, l.done = cancel, make(chan struct{}), make(chan struct{})
+	go l.beat(context.WithoutCancel(ctx))
+	return hctx
+}
+
+func (l *lease) beat(ctx context.Context) {
+	defer close(l.done)
+	t := time.NewTicker(l.s.heartbeat)
+	defer t.Stop()
+	for {
+		select {
+		case <-l.stop:
+			return
+		case <-t.C:
+		}
+		cctx, cancel := context.WithTimeout(ctx, l.s.heartbeat)
+		ok, err := extendScript.Run(cctx, l.s.rdb, l.keys, l.holder, l.s.lockMS).Int()
+		cancel()
+		switch {
+		case err != nil:
+			// Redis unreachable: keep trying; the lock lapses after
+			// LockTTL, and the fencing token then refuses our store if
+			// a newer request has claimed the key meanwhile.
+			l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: heartbeat failed", "key", l.keys[0], "err", err)
+		case ok == 0:
+			l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: claim lost while the handler runs", "key", l.keys[0])
+			l.cancel(idempotency.ErrLeaseLost)
+			return
+		}
+	}
+}
+
+// halt stops the heartbeat and waits for it.
+func (l *lease) halt() {
+	l.once.Do(func() {
+		if l.stop != nil {
+			close(l.stop)
+			<-l.done
+			l.cancel(nil)
+		}
+	})
+}
+
+func (l *lease) Failed() bool { return false }
+
+func (l *lease) Record(ctx context.Context, r idempotency.StoredResponse) error {
+	l.halt()
+	ok, err := recordScript.Run(ctx, l.s.rdb, l.keys, l.holder, r.Fingerprint, r.Status, encodeHeaders(r.Names, r.Values), r.Body).Int()
+	switch {
+	case err != nil:
+		return fmt.Errorf("redisstore: record: %w", err)
+	case ok == 0:
+		return idempotency.ErrLeaseLost
+	}
+	return nil
+}
+
+// Release frees the lock if the claim is still the latest and unrecorded.
+// If Redis cannot be reached the lock lapses after LockTTL.
+func (l *lease) Release(ctx context.Context) {
+	l.halt()
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := releaseScript.Run(ctx, l.s.rdb, l.keys, l.holder).Err(); err != nil {
+		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: release failed; the lock lapses after LockTTL", "key", l.keys[0], "err", err)
+	}
+}
+
+// encodeHeaders packs (name, value) pairs as uvarint-length-prefixed
+// strings, so that any byte of a value survives.
+func encodeHeaders(names, values []string) []byte {
+	var b []byte
+	for i := range names {
+		b = binary.AppendUvarint(b, uint64(len(names[i])))
+		b = append(b, names[i]...)
+		b = binary.AppendUvarint(b, uint64(len(values[i])))
+		b = append(b, values[i]...)
+	}
+	return b
+}
+
+func decodeHeaders(b []byte) (names, values []string, err error) {
+	names, values = []string{}, []string{}
+	next := func() (string, bool) {
+		n, k := binary.Uvarint(b)
+		if k <= 0 || uint64(len(b)-k) < n {
+			return "", false
+		}
+		s := string(b[k : k+int(n)])
+		b = b[k+int(n):]
+		return s, true
+	}
+	for len(b) > 0 {
+		name, ok1 := next()
+		value, ok2 := next()
+		if !ok1 || !ok2 {
+			return nil, nil, errors.New("bad header encoding")
+		}
+		names, values = append(names, name), append(values, value)
+	}
+	return names, values, nil
+}
+
+// decodeStored reads the claim script's {fp, status, hdr, body}.
+func decodeStored(f []any) (idempotency.StoredResponse, error) {
+	var str [4]string
+	for i, v := range f {
+		s, ok := v.(string)
+		if !ok {
+			return idempotency.StoredResponse{}, fmt.Errorf("field %d is %T", i, v)
+		}
+		str[i] = s
+	}
+	status, err := strconv.Atoi(str[1])
+	if err != nil || status < 100 {
+		return idempotency.StoredResponse{}, fmt.Errorf("status %q", str[1])
+	}
+	names, values, err := decodeHeaders([]byte(str[2]))
+	if err != nil {
+		return idempotency.StoredResponse{}, err
+	}
+	return idempotency.StoredResponse{Fingerprint: []byte(str[0]), Status: status, Names: names, Values: values, Body: []byte(str[3])}, nil
+}
