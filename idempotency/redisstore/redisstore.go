@@ -174,10 +174,11 @@ type lease struct {
 	keys   []string
 	holder string
 
-	once   sync.Once
-	stop   chan struct{}
-	done   chan struct{}
-	cancel context.CancelCauseFunc
+	once     sync.Once
+	finished bool // recorded, or refused by the fencing check: nothing to release
+	stop     chan struct{}
+	done     chan struct{}
+	cancel   context.CancelCauseFunc
 }
 
 // Context starts the heartbeat; the handler's context is cancelled (cause
@@ -236,8 +237,10 @@ func (l *lease) Record(ctx context.Context, r idempotency.StoredResponse) error 
 	case err != nil:
 		return fmt.Errorf("redisstore: record: %w", err)
 	case ok == 0:
+		l.finished = true
 		return idempotency.ErrLeaseLost
 	}
+	l.finished = true
 	return nil
 }
 
@@ -245,6 +248,9 @@ func (l *lease) Record(ctx context.Context, r idempotency.StoredResponse) error 
 // If Redis cannot be reached the lock lapses after LockTTL.
 func (l *lease) Release(ctx context.Context) {
 	l.halt()
+	if l.finished {
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	if err := releaseScript.Run(ctx, l.s.rdb, l.keys, l.holder).Err(); err != nil {

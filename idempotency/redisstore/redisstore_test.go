@@ -1,0 +1,396 @@
+package redisstore_test
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/oncely/oncely/idempotency"
+	"github.com/oncely/oncely/idempotency/redisstore"
+	"github.com/oncely/oncely/internal/handredis"
+	"github.com/oncely/oncely/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// redisAddr is the tests' Redis (REDIS_ADDR, default 127.0.0.1:6379).
+var redisAddr = cmp.Or(os.Getenv("REDIS_ADDR"), "127.0.0.1:6379")
+
+// prefix returns a key prefix of the test's own, whose keys are deleted
+// when the test ends.
+func prefix(t *testing.T) string {
+	t.Helper()
+	p := "oncely-test:" + uuid.NewString() + ":"
+	rdb := client(t, redisAddr)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		var keys []string
+		iter := rdb.Scan(ctx, 0, p+"*", 1000).Iterator()
+		for iter.Next(ctx) {
+			keys = append(keys, iter.Val())
+		}
+		if len(keys) > 0 {
+			_ = rdb.Del(ctx, keys...).Err()
+		}
+	})
+	return p
+}
+
+// client returns a Redis client of addr, closed when the test ends. It
+// does not retry: a test that cuts Redis off wants the error at once.
+func client(t *testing.T, addr string) *redis.Client {
+	t.Helper()
+	rdb := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialTimeout: time.Second})
+	t.Cleanup(func() { _ = rdb.Close() })
+	return rdb
+}
+
+func newStore(t *testing.T, rdb redis.UniversalClient, cfg redisstore.Config) *redisstore.Store {
+	t.Helper()
+	s, err := redisstore.New(rdb, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// serve starts a server that names client "c" and runs h behind mw.
+func serve(t *testing.T, mw func(http.Handler) http.Handler, h http.Handler) *httptest.Server {
+	t.Helper()
+	inner := mw(h)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		inner.ServeHTTP(w, r.WithContext(idempotency.WithClient(r.Context(), "c")))
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+type response struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func (r response) String() string { return fmt.Sprintf("%d %v %q", r.status, r.header, r.body) }
+
+func post(t *testing.T, srv *httptest.Server, key, body string) response {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, srv.URL+"/orders", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Idempotency-Key", key)
+	resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}}).Do(req)
+	if err != nil {
+		t.Fatalf("POST: %v", err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return response{resp.StatusCode, resp.Header, string(b)}
+}
+
+// postUntil repeats a POST while it gets 409, up to a deadline.
+func postUntil(t *testing.T, srv *httptest.Server, key, body string) response {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for wait := time.Millisecond; ; wait = min(2*wait, 50*time.Millisecond) {
+		r := post(t, srv, key, body)
+		if r.status != http.StatusConflict {
+			return r
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("still 409 after 20 s: %s", r)
+		}
+		time.Sleep(wait) // polling a condition with a deadline
+	}
+}
+
+// blockingHandler answers 201 with "run-N" for its Nth run; its first run
+// closes entered and waits for release before answering.
+func blockingHandler(runs *atomic.Int32, entered, release chan struct{}) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		if n == 1 {
+			close(entered)
+			<-release
+		}
+		w.Header().Set("Content-Type", "text/plain")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "run-%d", n)
+	})
+}
+
+// staleStore is the lock-expiry race. Replica A takes a key and its handler
+// runs long; A loses Redis (a proxy between them is cut), so its lock
+// cannot be extended and lapses; replica B's retry then takes the key, runs
+// and records "run-2". Then A gets Redis back and its handler finishes. It
+// returns A's answer, B's answer and what a later retry is replayed.
+func staleStore(t *testing.T, mw func(rdb *redis.Client) func(http.Handler) http.Handler) (a, b, replay response) {
+	t.Helper()
+	proxy := pgtest.NewTCPProxy(t, redisAddr)
+	var runs atomic.Int32
+	entered, release := make(chan struct{}), make(chan struct{})
+	h := blockingHandler(&runs, entered, release)
+	srvA := serve(t, mw(client(t, proxy.Addr)), h)
+	srvB := serve(t, mw(client(t, redisAddr)), h)
+
+	key := uuid.NewString()
+	first := make(chan response, 1)
+	go func() { first <- post(t, srvA, key, "{}") }()
+	<-entered
+	proxy.Cut()
+	b = postUntil(t, srvB, key, "{}") // 409 until A's lock lapses
+	proxy.Restore()
+	close(release)
+	a = <-first
+	replay = post(t, srvB, key, "{}")
+	if runs.Load() != 2 {
+		t.Fatalf("handler ran %d times, want 2 (A, then B after A's lock lapsed)", runs.Load())
+	}
+	return a, b, replay
+}
+
+// TestStaleClaimCannotStore: the fencing token refuses the store of a
+// request whose lock lapsed while a newer request took the key: the newer
+// request's response stays recorded and is what retries get; the stale
+// request's client gets 409 and its retry gets that response too.
+func TestStaleClaimCannotStore(t *testing.T) {
+	t.Parallel()
+	p := prefix(t)
+	a, b, replay := staleStore(t, func(rdb *redis.Client) func(http.Handler) http.Handler {
+		s := newStore(t, rdb, redisstore.Config{Prefix: p, LockTTL: 300 * time.Millisecond, Heartbeat: 100 * time.Millisecond})
+		m, err := idempotency.NewWithStore(s, idempotency.Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Handler
+	})
+	if b.status != http.StatusCreated || b.body != "run-2" || b.header.Get(idempotency.ReplayedHeader) != "" {
+		t.Fatalf("B after A's lock lapsed: %s, want a fresh 201 run-2", b)
+	}
+	if a.status != http.StatusConflict || a.header.Get("Retry-After") == "" {
+		t.Errorf("A, whose claim was taken over: %s, want 409 with Retry-After", a)
+	}
+	if replay.status != http.StatusCreated || replay.body != "run-2" || replay.header.Get(idempotency.ReplayedHeader) != "true" {
+		t.Fatalf("replay: %s, want B's run-2 replayed (A's stale response must not overwrite it)", replay)
+	}
+}
+
+// TestHandWrittenStoresStale runs the same race against the hand-written
+// SET NX + GET middleware (internal/handredis): with nothing to fence it,
+// A's stale response overwrites B's, so a retry is replayed a response
+// that differs from the one B's client got. This is the failure that
+// TestStaleClaimCannotStore rules out.
+func TestHandWrittenStoresStale(t *testing.T) {
+	t.Parallel()
+	p := prefix(t)
+	_, b, replay := staleStore(t, func(rdb *redis.Client) func(http.Handler) http.Handler {
+		m := &handredis.Middleware{RDB: rdb, Prefix: p, LockTTL: 300 * time.Millisecond, TTL: time.Hour}
+		return m.Handler
+	})
+	if b.body != "run-2" {
+		t.Fatalf("B: %s, want run-2", b)
+	}
+	if replay.body != "run-1" {
+		t.Fatalf("hand-written replay: %s; expected A's stale run-1 to have overwritten B's response", replay)
+	}
+}
+
+// TestRedisGoneMidRequest: Redis becomes unreachable while a request's
+// handler runs (a proxy is cut; the server is not restarted). The request
+// gets 503 with Retry-After, so does a request while Redis is away, and
+// once Redis is back the key is not stranded: a retry runs afresh as soon
+// as the unrecorded claim's lock lapses, and is then replayed.
+func TestRedisGoneMidRequest(t *testing.T) {
+	t.Parallel()
+	proxy := pgtest.NewTCPProxy(t, redisAddr)
+	var runs atomic.Int32
+	entered, release := make(chan struct{}), make(chan struct{})
+	s := newStore(t, client(t, proxy.Addr), redisstore.Config{Prefix: prefix(t), LockTTL: 500 * time.Millisecond})
+	m, err := idempotency.NewWithStore(s, idempotency.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serve(t, m.Require, blockingHandler(&runs, entered, release))
+	key := uuid.NewString()
+	first := make(chan response, 1)
+	go func() { first <- post(t, srv, key, "{}") }()
+	<-entered
+	proxy.Cut()
+	close(release)
+	if r := <-first; r.status != http.StatusServiceUnavailable || r.header.Get("Retry-After") == "" || !strings.Contains(r.body, "safe to retry") {
+		t.Fatalf("the request whose Redis went away: %s, want 503 with Retry-After", r)
+	}
+	if r := post(t, srv, key, "{}"); r.status != http.StatusServiceUnavailable || r.header.Get("Retry-After") == "" {
+		t.Fatalf("a retry while Redis is away: %s, want 503 with Retry-After", r)
+	}
+	proxy.Restore()
+	retry := postUntil(t, srv, key, "{}")
+	if retry.status != http.StatusCreated || retry.body != "run-2" || retry.header.Get(idempotency.ReplayedHeader) != "" {
+		t.Fatalf("retry after Redis came back: %s, want a fresh 201 run-2", retry)
+	}
+	if r := post(t, srv, key, "{}"); r.body != "run-2" || r.header.Get(idempotency.ReplayedHeader) != "true" {
+		t.Fatalf("replay: %s, want run-2 replayed", r)
+	}
+}
+
+// TestFencingToken drives the Store directly: a claim whose lock lapsed
+// (no heartbeat) is succeeded by a newer claim with a greater token; the
+// stale lease's Record is refused with ErrLeaseLost, its Release frees
+// nothing of the newer claim, and the newer one's response is stored.
+func TestFencingToken(t *testing.T) {
+	t.Parallel()
+	rdb := client(t, redisAddr)
+	s := newStore(t, rdb, redisstore.Config{Prefix: prefix(t), LockTTL: 200 * time.Millisecond})
+	ctx := context.Background()
+	fp := []byte("fp")
+	old, err := s.Claim(ctx, "c", "k", fp, time.Hour)
+	if err != nil || old.State != idempotency.ClaimTaken {
+		t.Fatalf("first claim: %+v, %v", old, err)
+	}
+	if c, err := s.Claim(ctx, "c", "k", fp, time.Hour); err != nil || c.State != idempotency.ClaimBusy {
+		t.Fatalf("claim while held: %+v, %v; want busy", c, err)
+	}
+	_, lock := s.Keys("c", "k")
+	oldTok := rdb.Get(ctx, lock).Val()
+	waitGone(t, rdb, lock)
+	cur, err := s.Claim(ctx, "c", "k", fp, time.Hour)
+	if err != nil || cur.State != idempotency.ClaimTaken {
+		t.Fatalf("claim after the lock lapsed: %+v, %v", cur, err)
+	}
+	tok := func(l string) int {
+		var n int
+		_, _ = fmt.Sscanf(l, "%d:", &n)
+		return n
+	}
+	curTok := rdb.Get(ctx, lock).Val()
+	if tok(oldTok) != 1 || tok(curTok) != 2 {
+		t.Errorf("fencing tokens %q then %q, want 1 then 2", oldTok, curTok)
+	}
+	want := idempotency.StoredResponse{Fingerprint: fp, Status: 201, Names: []string{"Content-Type"}, Values: []string{"a\x80b"}, Body: []byte{0, 1, 2}}
+	if err := old.Lease.Record(ctx, idempotency.StoredResponse{Fingerprint: fp, Status: 200, Body: []byte("stale")}); !errors.Is(err, idempotency.ErrLeaseLost) {
+		t.Fatalf("stale Record = %v, want ErrLeaseLost", err)
+	}
+	old.Lease.Release(ctx)
+	if got := rdb.Get(ctx, lock).Val(); got != curTok {
+		t.Fatalf("after the stale lease's Release the lock is %q, want the current claim's %q", got, curTok)
+	}
+	if err := cur.Lease.Record(ctx, want); err != nil {
+		t.Fatalf("current Record: %v", err)
+	}
+	cur.Lease.Release(ctx)
+	got, err := s.Claim(ctx, "c", "k", fp, time.Hour)
+	if err != nil || got.State != idempotency.ClaimStored {
+		t.Fatalf("claim after the record: %+v, %v; want stored", got, err)
+	}
+	if fmt.Sprint(got.Stored) != fmt.Sprint(want) {
+		t.Fatalf("stored %+v, want %+v", got.Stored, want)
+	}
+	if n := rdb.Exists(ctx, lock).Val(); n != 0 {
+		t.Errorf("lock still exists after the record")
+	}
+}
+
+func waitGone(t *testing.T, rdb *redis.Client, key string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for rdb.Exists(context.Background(), key).Val() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s still exists after 10 s", key)
+		}
+		time.Sleep(10 * time.Millisecond) // polling a condition with a deadline
+	}
+}
+
+// TestHeartbeatHoldsTheKey: a handler that runs for several LockTTLs keeps
+// its key: a second request meanwhile gets 409, and the handler runs once.
+func TestHeartbeatHoldsTheKey(t *testing.T) {
+	t.Parallel()
+	const lockTTL = 200 * time.Millisecond
+	s := newStore(t, client(t, redisAddr), redisstore.Config{Prefix: prefix(t), LockTTL: lockTTL})
+	m, err := idempotency.NewWithStore(s, idempotency.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	entered, release := make(chan struct{}), make(chan struct{})
+	srv := serve(t, m.Require, blockingHandler(&runs, entered, release))
+	key := uuid.NewString()
+	first := make(chan response, 1)
+	go func() { first <- post(t, srv, key, "{}") }()
+	<-entered
+	start := time.Now()
+	for time.Since(start) < 5*lockTTL { // what is tested is the passing of time
+		if r := post(t, srv, key, "{}"); r.status != http.StatusConflict {
+			t.Fatalf("while the first request runs (%s after its claim): %s, want 409", time.Since(start), r)
+		}
+		time.Sleep(lockTTL / 4)
+	}
+	close(release)
+	if r := <-first; r.status != http.StatusCreated || r.body != "run-1" {
+		t.Fatalf("first request: %s", r)
+	}
+	if r := post(t, srv, key, "{}"); r.body != "run-1" || runs.Load() != 1 {
+		t.Fatalf("replay %s after %d runs, want run-1 after 1", r, runs.Load())
+	}
+}
+
+// TestKeysShareASlot: a key's record and lock carry one hash tag, so Redis
+// Cluster puts them in one slot; the tag depends on scope and key both.
+func TestKeysShareASlot(t *testing.T) {
+	t.Parallel()
+	s := newStore(t, client(t, redisAddr), redisstore.Config{Prefix: "p:"})
+	tag := func(k string) string { return k[strings.IndexByte(k, '{') : strings.IndexByte(k, '}')+1] }
+	record, lock := s.Keys("alice", "k{1}")
+	if strings.Count(record, "{") != 1 || tag(record) != tag(lock) || !strings.HasPrefix(record, "p:{") {
+		t.Fatalf("keys %q, %q do not share one hash tag after the prefix", record, lock)
+	}
+	other, _ := s.Keys("bob", "k{1}")
+	split, _ := s.Keys("alice", "k{") // ("alice", "k{1}") must not equal ("alice1", "k{") and the like
+	joined, _ := s.Keys("alicek", "{1}")
+	if tag(other) == tag(record) || tag(split) == tag(record) || tag(joined) == tag(record) {
+		t.Fatal("different (scope, key) pairs share a record")
+	}
+}
+
+func TestNewValidates(t *testing.T) {
+	t.Parallel()
+	rdb := client(t, redisAddr)
+	for _, tc := range []struct {
+		cfg   redisstore.Config
+		field string
+	}{
+		{redisstore.Config{Prefix: "a{b}:"}, "Config.Prefix"},
+		{redisstore.Config{LockTTL: -time.Second}, "Config.LockTTL"},
+		{redisstore.Config{LockTTL: time.Millisecond}, "Config.LockTTL"},
+		{redisstore.Config{Heartbeat: -time.Second}, "Config.Heartbeat"},
+		{redisstore.Config{LockTTL: time.Second, Heartbeat: time.Second}, "Config.Heartbeat"},
+	} {
+		if _, err := redisstore.New(rdb, tc.cfg); err == nil || !strings.Contains(err.Error(), tc.field) {
+			t.Errorf("New(%+v) = %v, want an error naming %s", tc.cfg, err, tc.field)
+		}
+	}
+	if _, err := redisstore.New(nil, redisstore.Config{}); err == nil {
+		t.Error("New(nil) succeeded")
+	}
+	if _, err := idempotency.NewWithStore(nil, idempotency.Config{}); err == nil {
+		t.Error("NewWithStore(nil) succeeded")
+	}
+}
