@@ -2,6 +2,17 @@
 // backed by Postgres: a keyed request takes effect once, and every retry of
 // it gets the first response back, byte for byte.
 //
+// # Stores
+//
+// [New] keeps the keys in Postgres, in the transaction the handler writes
+// through ([Tx]): the response commits with the handler's writes, which is
+// what the rest of this documentation describes. [NewWithStore] takes
+// another [Store]: package idempotency/redisstore keeps the keys in Redis,
+// for handlers whose effect is a call to another service. Every status,
+// header and replay rule below holds for both; the Redis store cannot
+// commit an effect with its response, and its package documentation says
+// exactly which duplicate windows that leaves.
+//
 // # How it works
 //
 // Each keyed request runs in one Postgres transaction, which the handler

@@ -89,4 +89,14 @@
 // MetricInboundRequests counts requests by outcome and refusal reason
 // (a burst of signature_mismatch is a misconfigured secret or an attack);
 // MetricInboundDuration is their duration in seconds.
+//
+// # Without Postgres
+//
+// A Receiver needs Postgres (the outbox). An intake that has only Redis can
+// deduplicate at the HTTP layer instead: verify with a [Verifier], make the
+// delivery id the Idempotency-Key, and put package idempotency's middleware
+// with the Redis store (package idempotency/redisstore) in front of the
+// processing; redisstore's Example_webhookIntake shows it, and its package
+// documentation the duplicate windows that remain (the processing must pass
+// the delivery id on to what it calls).
 package webhook

@@ -3,13 +3,18 @@ package redisstore_test
 import (
 	"cmp"
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,6 +27,7 @@ import (
 	"github.com/oncely/oncely/idempotency/redisstore"
 	"github.com/oncely/oncely/internal/handredis"
 	"github.com/oncely/oncely/internal/pgtest"
+	"github.com/oncely/oncely/webhook"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -392,5 +398,81 @@ func TestNewValidates(t *testing.T) {
 	}
 	if _, err := idempotency.NewWithStore(nil, idempotency.Config{}); err == nil {
 		t.Error("NewWithStore(nil) succeeded")
+	}
+}
+
+// TestWebhookIntakeOnce: a webhook intake without Postgres (deliveryKey of
+// Example_webhookIntake in front of Require): 25 concurrent copies of one
+// signed delivery are processed once, the others get 409 or the replayed
+// 204; a redelivery later gets the replay; a bad signature is refused
+// before anything is claimed.
+func TestWebhookIntakeOnce(t *testing.T) {
+	t.Parallel()
+	verifier, err := webhook.NewStandardWebhooks(webhook.VerifierConfig{Secrets: []string{"whsec_" + base64.StdEncoding.EncodeToString([]byte("secret"))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := newStore(t, client(t, redisAddr), redisstore.Config{Prefix: prefix(t)})
+	m, err := idempotency.NewWithStore(s, idempotency.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var processed atomic.Int32
+	h := deliveryKey(verifier, 1<<20)(m.Require(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		processed.Add(1)
+		w.WriteHeader(http.StatusNoContent)
+	})))
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	id, body := "msg_"+uuid.NewString(), `{"type":"invoice.paid"}`
+	deliver := func(sig string) (int, bool) {
+		ts := strconv.FormatInt(time.Now().Unix(), 10)
+		if sig == "" {
+			mac := hmac.New(sha256.New, []byte("secret"))
+			mac.Write([]byte(id + "." + ts + "." + body))
+			sig = base64.StdEncoding.EncodeToString(mac.Sum(nil))
+		}
+		req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(body))
+		req.Header.Set("webhook-id", id)
+		req.Header.Set("webhook-timestamp", ts)
+		req.Header.Set("webhook-signature", "v1,"+sig)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Errorf("deliver: %v", err)
+			return 0, false
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode, resp.Header.Get(idempotency.ReplayedHeader) == "true"
+	}
+	if st, _ := deliver(base64.StdEncoding.EncodeToString([]byte("forged"))); st != http.StatusUnauthorized {
+		t.Fatalf("forged delivery: %d, want 401", st)
+	}
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	var fresh, replays, busy atomic.Int32
+	for range 25 {
+		wg.Go(func() {
+			<-start
+			switch st, replayed := deliver(""); {
+			case st == http.StatusNoContent && !replayed:
+				fresh.Add(1)
+			case st == http.StatusNoContent:
+				replays.Add(1)
+			case st == http.StatusConflict:
+				busy.Add(1)
+			default:
+				t.Errorf("concurrent delivery: %d, want 204 or 409", st)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if fresh.Load() != 1 || processed.Load() != 1 {
+		t.Fatalf("%d fresh answers, %d runs (replays %d, 409s %d); want 1 and 1", fresh.Load(), processed.Load(), replays.Load(), busy.Load())
+	}
+	if st, replayed := deliver(""); st != http.StatusNoContent || !replayed || processed.Load() != 1 {
+		t.Fatalf("redelivery: %d replayed=%v after %d runs, want the replayed 204 and 1 run", st, replayed, processed.Load())
 	}
 }
