@@ -13,7 +13,7 @@ FUZZTIME ?= 30s
 # environment.
 PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/... ./oncelytest/...
 
-.PHONY: check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox lint vet fmt-check
+.PHONY: check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -92,6 +92,11 @@ bench-contended:
 ## no-chaos rates and each restart's time to its first commit. Flags: CHAOS_FLAGS.
 bench-chaos:
 	cd bench && $(GO) run ./chaos $(CHAOS_FLAGS)
+
+## bench-idempotency: the Idempotency-Key middleware on its Postgres and Redis stores against a
+## hand-written Redis SET NX + GET version, in one run, with the ratios
+bench-idempotency:
+	cd bench && $(GO) run . idempotency $(IDEM_FLAGS)
 
 ## bench-outbox: the outbox relay against a raw-SQL ceiling, in one run, with the ratio
 bench-outbox:

@@ -5,6 +5,10 @@
 // the project's targets hold. docs/BENCHMARKS.md says how to read it.
 //
 //	cd bench && go run . [flags]      (or: make bench)
+//
+// `go run . idempotency [flags]` measures the Idempotency-Key middleware
+// instead: its Postgres and Redis stores against a hand-written Redis
+// SET NX + GET version (make bench-idempotency).
 package main
 
 import (
@@ -86,6 +90,13 @@ func main() {
 	// process, so that this one's RSS is the consumers' own.
 	if len(os.Args) == 2 && os.Args[1] == kfakechild.Arg {
 		if err := kfakechild.Serve(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		return
+	}
+	if len(os.Args) >= 2 && os.Args[1] == idemCommand {
+		if err := runIdempotency(os.Args[2:]); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}

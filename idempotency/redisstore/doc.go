@@ -20,7 +20,7 @@
 // A key (scope, key) is two Redis keys that share one hash tag, so they live
 // in one Redis Cluster slot and every script below touches one slot only:
 //
-//	<Prefix>{<sha256(scope, key)>}        hash: token, holder, exp, and once recorded fp, status, hdr, body
+//	<Prefix>{<sha256(scope, key)>}        hash: token, holder, and once recorded fp, status, hdr, body
 //	<Prefix>{<sha256(scope, key)>}:lock   string: the holder, with PX Config.LockTTL
 //
 // Each step is one Lua script, atomic in Redis:
@@ -31,7 +31,7 @@
 //	handler runs; every Config.Heartbeat:
 //	extend  holder still ours?        -> SET lock holder PX LockTTL   (else: the handler's context is cancelled)
 //	record  holder still ours and nothing recorded?
-//	                                  -> HSET fp status hdr body; expire at claim time + TTL; DEL lock
+//	                                  -> HSET fp status hdr body (expiring TTL after the claim, at least LockTTL); DEL lock
 //	        else                      -> nothing stored; the client gets 409 and its retry the newer response
 //	release (5xx, a status StoreStatus refuses, a panic, a failed record)
 //	        holder still ours and nothing recorded? -> DEL lock

@@ -3,13 +3,13 @@ package redisstore
 import (
 	"cmp"
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -91,8 +91,10 @@ func (s *Store) Keys(scope, key string) (record, lock string) {
 
 // The scripts. KEYS[1] is the record hash, KEYS[2] the lock. The record's
 // fields: token (the fencing counter, incremented by every claim), holder
-// (the token and nonce of the latest claim), exp (when a recorded response
-// expires, in ms of Redis time), and once recorded fp, status, hdr, body.
+// (the token and nonce of the latest claim), and once recorded fp, status,
+// hdr, body. The record expires TTL after the claim (the record script
+// keeps that expiry), or LockTTL after the last heartbeat if the handler
+// outlives the TTL.
 var (
 	// claim: ARGV lock ms, ttl ms, nonce. Returns {2, fp, status, hdr,
 	// body} (stored), {1} (busy) or {3, holder} (claimed).
@@ -102,9 +104,7 @@ if r[1] then return {2, r[2], r[1], r[3], r[4]} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {1} end
 local n = redis.call('HINCRBY', KEYS[1], 'token', 1)
 local holder = n .. ':' .. ARGV[3]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HSET', KEYS[1], 'holder', holder, 'exp', now + tonumber(ARGV[2]))
+redis.call('HSET', KEYS[1], 'holder', holder)
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[1])))
 redis.call('SET', KEYS[2], holder, 'PX', ARGV[1])
 return {3, holder}
@@ -119,12 +119,11 @@ if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KE
 return 1
 `)
 	// record: ARGV holder, fp, status, hdr, body. Stores the response only
-	// for the latest claim (the fencing check), with the expiry the claim
-	// set, and frees the lock.
+	// for the latest claim (the fencing check), keeping the expiry the
+	// claim set, and frees the lock.
 	recordScript = redis.NewScript(`
 if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] or redis.call('HEXISTS', KEYS[1], 'status') == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'status', ARGV[3], 'hdr', ARGV[4], 'body', ARGV[5])
-redis.call('PEXPIREAT', KEYS[1], redis.call('HGET', KEYS[1], 'exp'))
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
 return 1
 `)
@@ -144,9 +143,8 @@ return 0
 // and the lock, atomically.
 func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl time.Duration) (idempotency.Claim, error) {
 	record, lock := s.Keys(scope, key)
-	nonce := make([]byte, 12)
-	_, _ = rand.Read(nonce)
-	res, err := claimScript.Run(ctx, s.rdb, []string{record, lock}, s.lockMS, ttl.Milliseconds(), hex.EncodeToString(nonce)).Slice()
+	nonce := strconv.FormatUint(rand.Uint64(), 36) // unique, not secret
+	res, err := claimScript.Run(ctx, s.rdb, []string{record, lock}, s.lockMS, ttl.Milliseconds(), nonce).Slice()
 	if err != nil {
 		return idempotency.Claim{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
@@ -168,64 +166,79 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 }
 
 // lease is a claimed key: its holder token, and the heartbeat that keeps
-// its lock alive while the handler runs.
+// its lock alive while the handler runs. The heartbeat is a timer that
+// re-arms itself, so a request shorter than Heartbeat costs no goroutine.
 type lease struct {
-	s      *Store
-	keys   []string
-	holder string
-
-	once     sync.Once
+	s        *Store
+	keys     []string
+	holder   string
 	finished bool // recorded, or refused by the fencing check: nothing to release
-	stop     chan struct{}
-	done     chan struct{}
-	cancel   context.CancelCauseFunc
+
+	mu      sync.Mutex
+	stopped bool
+	timer   *time.Timer
+	beating sync.WaitGroup // an extension in flight
+	ctx     context.Context
+	cancel  context.CancelCauseFunc
 }
 
 // Context starts the heartbeat; the handler's context is cancelled (cause
 // idempotency.ErrLeaseLost) once Redis says a newer claim took the key.
 func (l *lease) Context(ctx context.Context) context.Context {
 	hctx, cancel := context.WithCancelCause(ctx)
-	l.cancel, l.stop, l.done = cancel, make(chan struct{}), make(chan struct{})
-	go l.beat(context.WithoutCancel(ctx))
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.ctx, l.cancel = context.WithoutCancel(ctx), cancel
+	l.timer = time.AfterFunc(l.s.heartbeat, l.beat)
 	return hctx
 }
 
-func (l *lease) beat(ctx context.Context) {
-	defer close(l.done)
-	t := time.NewTicker(l.s.heartbeat)
-	defer t.Stop()
-	for {
-		select {
-		case <-l.stop:
-			return
-		case <-t.C:
-		}
-		cctx, cancel := context.WithTimeout(ctx, l.s.heartbeat)
-		ok, err := extendScript.Run(cctx, l.s.rdb, l.keys, l.holder, l.s.lockMS).Int()
-		cancel()
-		switch {
-		case err != nil:
-			// Redis unreachable: keep trying; the lock lapses after
-			// LockTTL, and the fencing token then refuses our store if
-			// a newer request has claimed the key meanwhile.
-			l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: heartbeat failed", "key", l.keys[0], "err", err)
-		case ok == 0:
-			l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: claim lost while the handler runs", "key", l.keys[0])
-			l.cancel(idempotency.ErrLeaseLost)
-			return
-		}
+// beat extends the lock once and re-arms the timer, unless halted.
+func (l *lease) beat() {
+	l.mu.Lock()
+	if l.stopped {
+		l.mu.Unlock()
+		return
 	}
+	l.beating.Add(1)
+	l.mu.Unlock()
+	defer l.beating.Done()
+
+	cctx, cancel := context.WithTimeout(l.ctx, l.s.heartbeat)
+	ok, err := extendScript.Run(cctx, l.s.rdb, l.keys, l.holder, l.s.lockMS).Int()
+	cancel()
+	switch {
+	case err != nil:
+		// Redis unreachable: keep trying; the lock lapses after
+		// LockTTL, and the fencing token then refuses our store if a
+		// newer request has claimed the key meanwhile.
+		l.s.cfg.Logger.WarnContext(l.ctx, "oncely redisstore: heartbeat failed", "key", l.keys[0], "err", err)
+	case ok == 0:
+		l.s.cfg.Logger.WarnContext(l.ctx, "oncely redisstore: claim lost while the handler runs", "key", l.keys[0])
+		l.cancel(idempotency.ErrLeaseLost)
+		return
+	}
+	l.mu.Lock()
+	if !l.stopped {
+		l.timer.Reset(l.s.heartbeat)
+	}
+	l.mu.Unlock()
 }
 
-// halt stops the heartbeat and waits for it.
+// halt stops the heartbeat and waits for an extension in flight, so that
+// none runs after the record or the release.
 func (l *lease) halt() {
-	l.once.Do(func() {
-		if l.stop != nil {
-			close(l.stop)
-			<-l.done
-			l.cancel(nil)
-		}
-	})
+	l.mu.Lock()
+	if l.stopped || l.timer == nil {
+		l.stopped = true
+		l.mu.Unlock()
+		return
+	}
+	l.stopped = true
+	l.timer.Stop()
+	l.mu.Unlock()
+	l.beating.Wait()
+	l.cancel(nil)
 }
 
 func (l *lease) Failed() bool { return false }
