@@ -45,6 +45,7 @@ type idemOptions struct {
 	n, concurrency   int
 	rounds           int
 	conns            int32
+	only             string
 }
 
 // idemPhase is one timed phase of one store: n requests, each a first
@@ -66,10 +67,11 @@ func runIdempotency(args []string) error {
 	fs := flag.NewFlagSet(idemCommand, flag.ExitOnError)
 	fs.StringVar(&o.dbURL, "database-url", cmp.Or(os.Getenv("DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres of the Postgres store (a fresh schema, dropped afterwards)")
 	fs.StringVar(&o.redisAddr, "redis", cmp.Or(os.Getenv("REDIS_ADDR"), "127.0.0.1:6379"), "Redis of the Redis store and the hand-written version (a fresh key prefix, deleted afterwards)")
-	fs.IntVar(&o.n, "n", 5000, "requests per phase and store")
+	fs.IntVar(&o.n, "n", 2000, "requests per phase and store")
 	fs.IntVar(&o.concurrency, "concurrency", 16, "goroutines sending requests")
-	fs.IntVar(&o.rounds, "rounds", 5, "rounds; the table shows medians, the target the median of each round's ratio")
+	fs.IntVar(&o.rounds, "rounds", 21, "rounds; the table shows medians, the target the median of each round's ratio (many short rounds: the stores share the machine's load alike)")
 	var conns int
+	fs.StringVar(&o.only, "store", "", "measure this store alone ("+idemPostgres+", "+idemRedis+" or "+idemHand+"); default all three, with their ratios")
 	fs.IntVar(&conns, "conns", 16, "Postgres pool size (each in-flight request of the Postgres store holds a connection)")
 	_ = fs.Parse(args)
 	o.conns = int32(conns)
@@ -149,8 +151,14 @@ func runIdempotency(args []string) error {
 	handlers[idemHand] = (&handredis.Middleware{RDB: rdb, Prefix: prefix + "hand:", LockTTL: 30 * time.Second, TTL: 24 * time.Hour}).Handler(h)
 
 	stores := []string{idemPostgres, idemRedis, idemHand}
+	if o.only != "" {
+		stores = []string{o.only}
+	}
 	results := map[string][2][]idemPhase{}
 	fmt.Printf("idempotency benchmark: %d requests per phase, %d goroutines, %d rounds, load average %s\n", o.n, o.concurrency, o.rounds, runenv.LoadAverage())
+	if o.only != "" && handlers[o.only] == nil {
+		return fmt.Errorf("idempotency: -store %q: want %s, %s or %s", o.only, idemPostgres, idemRedis, idemHand)
+	}
 	var ratios []float64 // per round: Redis store / hand-written, first requests
 	for round := range o.rounds {
 		// Each round starts with another store, so that none always runs
@@ -174,7 +182,16 @@ func runIdempotency(args []string) error {
 			r[0], r[1] = append(r[0], first), append(r[1], replay)
 			results[s] = r
 		}
-		ratios = append(ratios, results[idemRedis][0][round].rate/results[idemHand][0][round].rate)
+		if o.only == "" {
+			ratios = append(ratios, results[idemRedis][0][round].rate/results[idemHand][0][round].rate)
+		}
+	}
+	if o.only != "" {
+		f, r := results[o.only][0], results[o.only][1]
+		for i := range f {
+			fmt.Printf("%s round %d: first %.0f/s p99 %s CPU %s; replay %.0f/s p99 %s CPU %s\n", o.only, i, f[i].rate, f[i].p99, f[i].cpu, r[i].rate, r[i].p99, r[i].cpu)
+		}
+		return nil
 	}
 
 	med := func(s string, phase int) idemPhase {

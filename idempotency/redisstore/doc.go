@@ -21,13 +21,13 @@
 // in one Redis Cluster slot and every script below touches one slot only:
 //
 //	<Prefix>{<sha256(scope, key)>}        hash: token, holder, and once recorded fp, status, hdr, body
-//	<Prefix>{<sha256(scope, key)>}:lock   string: the holder, with PX Config.LockTTL
+//	<Prefix>{<sha256(scope, key)>}:lock   string, with PX Config.LockTTL: the key is in progress
 //
 // Each step is one Lua script, atomic in Redis:
 //
 //	claim   recorded response?        -> replay (same fingerprint) or 422
-//	        lock exists?              -> 409 with Retry-After
-//	        token = HINCRBY token 1; holder = token:nonce; SET lock holder PX LockTTL
+//	        SET lock NX PX LockTTL fails? -> 409 with Retry-After
+//	        token = HINCRBY token 1; holder = token:nonce
 //	handler runs; every Config.Heartbeat:
 //	extend  holder still ours?        -> SET lock holder PX LockTTL   (else: the handler's context is cancelled)
 //	record  holder still ours and nothing recorded?

@@ -97,44 +97,46 @@ func (s *Store) Keys(scope, key string) (record, lock string) {
 // outlives the TTL.
 var (
 	// claim: ARGV lock ms, ttl ms, nonce. Returns {2, fp, status, hdr,
-	// body} (stored), {1} (busy) or {3, holder} (claimed).
+	// body} (stored), {1} (busy) or {3, holder} (claimed). The lock is
+	// taken with SET NX before the token is drawn, so a busy key costs no
+	// token.
 	claimScript = redis.NewScript(`
 local r = redis.call('HMGET', KEYS[1], 'status', 'fp', 'hdr', 'body')
 if r[1] then return {2, r[2], r[1], r[3], r[4]} end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {1} end
-local n = redis.call('HINCRBY', KEYS[1], 'token', 1)
-local holder = n .. ':' .. ARGV[3]
+if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[1]) then return {1} end
+local holder = redis.call('HINCRBY', KEYS[1], 'token', 1) .. ':' .. ARGV[3]
 redis.call('HSET', KEYS[1], 'holder', holder)
 redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[1])))
-redis.call('SET', KEYS[2], holder, 'PX', ARGV[1])
 return {3, holder}
 `)
 	// extend: ARGV holder, lock ms. Re-arms the lock while the holder is
-	// still the latest claim (the lock is then ours or lapsed, never
-	// another's), and keeps the record alive at least as long.
+	// still the latest claim and has recorded nothing (the lock is then
+	// ours or lapsed, never another's: every claim sets the holder), and
+	// keeps the record alive at least as long.
 	extendScript = redis.NewScript(`
-if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] or redis.call('HEXISTS', KEYS[1], 'status') == 1 then return 0 end
+local h = redis.call('HMGET', KEYS[1], 'holder', 'status')
+if h[1] ~= ARGV[1] or h[2] then return 0 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 1
 `)
 	// record: ARGV holder, fp, status, hdr, body. Stores the response only
 	// for the latest claim (the fencing check), keeping the expiry the
-	// claim set, and frees the lock.
+	// claim set, and frees the lock (ours or lapsed, as above).
 	recordScript = redis.NewScript(`
-if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[1] or redis.call('HEXISTS', KEYS[1], 'status') == 1 then return 0 end
+local h = redis.call('HMGET', KEYS[1], 'holder', 'status')
+if h[1] ~= ARGV[1] or h[2] then return 0 end
 redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'status', ARGV[3], 'hdr', ARGV[4], 'body', ARGV[5])
-if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+redis.call('DEL', KEYS[2])
 return 1
 `)
 	// release: ARGV holder. Frees the lock of an unrecorded claim that is
 	// still the latest one.
 	releaseScript = redis.NewScript(`
-if redis.call('HGET', KEYS[1], 'holder') == ARGV[1] and redis.call('HEXISTS', KEYS[1], 'status') == 0 then
-  redis.call('DEL', KEYS[2])
-  return 1
-end
-return 0
+local h = redis.call('HMGET', KEYS[1], 'holder', 'status')
+if h[1] ~= ARGV[1] or h[2] then return 0 end
+redis.call('DEL', KEYS[2])
+return 1
 `)
 )
 

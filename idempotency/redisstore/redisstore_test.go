@@ -274,8 +274,9 @@ func TestFencingToken(t *testing.T) {
 	if c, err := s.Claim(ctx, "c", "k", fp, time.Hour); err != nil || c.State != idempotency.ClaimBusy {
 		t.Fatalf("claim while held: %+v, %v; want busy", c, err)
 	}
-	_, lock := s.Keys("c", "k")
-	oldTok := rdb.Get(ctx, lock).Val()
+	record, lock := s.Keys("c", "k")
+	holder := func() string { return rdb.HGet(ctx, record, "holder").Val() }
+	oldTok := holder()
 	waitGone(t, rdb, lock)
 	cur, err := s.Claim(ctx, "c", "k", fp, time.Hour)
 	if err != nil || cur.State != idempotency.ClaimTaken {
@@ -286,7 +287,7 @@ func TestFencingToken(t *testing.T) {
 		_, _ = fmt.Sscanf(l, "%d:", &n)
 		return n
 	}
-	curTok := rdb.Get(ctx, lock).Val()
+	curTok := holder()
 	if tok(oldTok) != 1 || tok(curTok) != 2 {
 		t.Errorf("fencing tokens %q then %q, want 1 then 2", oldTok, curTok)
 	}
@@ -294,9 +295,10 @@ func TestFencingToken(t *testing.T) {
 	if err := old.Lease.Record(ctx, idempotency.StoredResponse{Fingerprint: fp, Status: 200, Body: []byte("stale")}); !errors.Is(err, idempotency.ErrLeaseLost) {
 		t.Fatalf("stale Record = %v, want ErrLeaseLost", err)
 	}
+	curLock := rdb.Get(ctx, lock).Val()
 	old.Lease.Release(ctx)
-	if got := rdb.Get(ctx, lock).Val(); got != curTok {
-		t.Fatalf("after the stale lease's Release the lock is %q, want the current claim's %q", got, curTok)
+	if got := rdb.Get(ctx, lock).Val(); got == "" || got != curLock || holder() != curTok {
+		t.Fatalf("after the stale lease's Release the lock is %q (holder %q), want the current claim's %q (%q)", got, holder(), curLock, curTok)
 	}
 	if err := cur.Lease.Record(ctx, want); err != nil {
 		t.Fatalf("current Record: %v", err)
