@@ -79,7 +79,7 @@ const (
 // Config configures a Middleware. Every field is optional.
 type Config struct {
 	// Schema holds the idempotency_keys table (created by package
-	// migrations). Default "oncely".
+	// migrations). Default "oncely". Postgres store (New) only.
 	Schema string
 	// Header is the request header that carries the key. Default
 	// "Idempotency-Key".
@@ -124,15 +124,16 @@ type Config struct {
 	ReplayHeaders []string
 	// StoreStatus decides which final statuses are recorded. A response
 	// that is not recorded is not committed either: the handler's writes
-	// are rolled back with the key, and a retry runs the handler afresh.
-	// Default DefaultStoreStatus.
+	// are rolled back with the key (Postgres store; with another store they
+	// stay), and a retry runs the handler afresh. Default
+	// DefaultStoreStatus.
 	StoreStatus func(status int) bool
 	// TTL is how long a recorded response is replayed, counted from the
-	// start of the first request's transaction; after it the key is free
-	// again. It should exceed the longest time clients keep retrying.
+	// start of the first request's transaction (or claim, with another
+	// store); after it the key is free again. It should exceed the longest time clients keep retrying.
 	// Default 24 hours, at least one second.
 	TTL time.Duration
-	// RetryAfter is sent with 409 (key in progress) and 503 (database
+	// RetryAfter is sent with 409 (key in progress) and 503 (store
 	// unavailable), rounded up to whole seconds. Default 1 second.
 	RetryAfter time.Duration
 	// CommitTimeout bounds recording the response and committing. These run
@@ -140,7 +141,7 @@ type Config struct {
 	// Default 10 seconds.
 	CommitTimeout time.Duration
 	// CleanupBatchSize bounds the rows DeleteExpired deletes per statement.
-	// Default 1000.
+	// Default 1000. Postgres store only, as CleanupInterval.
 	CleanupBatchSize int
 	// CleanupInterval is the pause between passes of Run. Default 1 minute.
 	CleanupInterval time.Duration
@@ -325,7 +326,8 @@ func (m *Middleware) wrap(next http.Handler, required bool) http.Handler {
 	})
 }
 
-// Schema returns the schema of the idempotency_keys table.
+// Schema returns the schema of the idempotency_keys table ("" under
+// NewWithStore).
 func (m *Middleware) Schema() string { return m.cfg.Schema }
 
 type ctxKey struct{}
