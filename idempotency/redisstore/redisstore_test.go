@@ -478,3 +478,43 @@ func TestWebhookIntakeOnce(t *testing.T) {
 		t.Fatalf("redelivery: %d replayed=%v after %d runs, want the replayed 204 and 1 run", st, replayed, processed.Load())
 	}
 }
+
+// TestRecordExpiresWithTTL: the recorded response and its fingerprint are
+// one hash that expires Config.TTL after the claim, with no lock left
+// behind; once it has expired the key runs afresh.
+func TestRecordExpiresWithTTL(t *testing.T) {
+	t.Parallel()
+	rdb := client(t, redisAddr)
+	s := newStore(t, rdb, redisstore.Config{Prefix: prefix(t)})
+	m, err := idempotency.NewWithStore(s, idempotency.Config{TTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	entered, release := make(chan struct{}), make(chan struct{})
+	close(release)
+	srv := serve(t, m.Require, blockingHandler(&runs, entered, release))
+	key := uuid.NewString()
+	if r := post(t, srv, key, "{}"); r.status != http.StatusCreated || r.body != "run-1" {
+		t.Fatalf("first: %s", r)
+	}
+	ctx := context.Background()
+	record, lock := s.Keys("c", key)
+	fields, err := rdb.HGetAll(ctx, record).Result()
+	if err != nil || fields["status"] != "201" || fields["body"] != "run-1" || len(fields["fp"]) != 32 {
+		t.Fatalf("record %v, %v: want status, body and a 32-byte fingerprint together", fields, err)
+	}
+	if ttl := rdb.PTTL(ctx, record).Val(); ttl <= 59*time.Minute || ttl > time.Hour {
+		t.Errorf("record expires in %s, want the TTL (1h) counted from the claim", ttl)
+	}
+	if n := rdb.Exists(ctx, lock).Val(); n != 0 {
+		t.Errorf("the lock outlived the record")
+	}
+	if err := rdb.PExpire(ctx, record, time.Millisecond).Err(); err != nil {
+		t.Fatal(err)
+	}
+	waitGone(t, rdb, record)
+	if r := post(t, srv, key, "{}"); r.status != http.StatusCreated || r.body != "run-2" || r.header.Get(idempotency.ReplayedHeader) != "" {
+		t.Fatalf("after the record expired: %s, want a fresh run-2", r)
+	}
+}
