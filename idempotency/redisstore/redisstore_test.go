@@ -95,21 +95,41 @@ func (r response) String() string { return fmt.Sprintf("%d %v %q", r.status, r.h
 
 func post(t *testing.T, srv *httptest.Server, key, body string) response {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodPost, srv.URL+"/orders", strings.NewReader(body))
+	r, err := send(t, srv, key, body)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("POST: %v", err)
+	}
+	return r
+}
+
+// send is post for goroutines: it returns the error.
+func send(t *testing.T, srv *httptest.Server, key, body string) (response, error) {
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL+"/orders", strings.NewReader(body))
+	if err != nil {
+		return response{}, err
 	}
 	req.Header.Set("Idempotency-Key", key)
 	resp, err := (&http.Client{Transport: &http.Transport{DisableKeepAlives: true}}).Do(req)
 	if err != nil {
-		t.Fatalf("POST: %v", err)
+		return response{}, err
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return response{resp.StatusCode, resp.Header, string(b)}
+	return response{resp.StatusCode, resp.Header, string(b)}, err
+}
+
+// sendAsync sends a POST from a goroutine; its response arrives on the
+// channel (a failed send is an error of the test, and a zero response).
+func sendAsync(t *testing.T, srv *httptest.Server, key, body string) <-chan response {
+	ch := make(chan response, 1)
+	go func() {
+		r, err := send(t, srv, key, body)
+		if err != nil {
+			t.Errorf("POST: %v", err)
+		}
+		ch <- r
+	}()
+	return ch
 }
 
 // postUntil repeats a POST while it gets 409, up to a deadline.
@@ -158,8 +178,7 @@ func staleStore(t *testing.T, mw func(rdb *redis.Client) func(http.Handler) http
 	srvB := serve(t, mw(client(t, redisAddr)), h)
 
 	key := uuid.NewString()
-	first := make(chan response, 1)
-	go func() { first <- post(t, srvA, key, "{}") }()
+	first := sendAsync(t, srvA, key, "{}")
 	<-entered
 	proxy.Cut()
 	b = postUntil(t, srvB, key, "{}") // 409 until A's lock lapses
@@ -236,8 +255,7 @@ func TestRedisGoneMidRequest(t *testing.T) {
 	}
 	srv := serve(t, m.Require, blockingHandler(&runs, entered, release))
 	key := uuid.NewString()
-	first := make(chan response, 1)
-	go func() { first <- post(t, srv, key, "{}") }()
+	first := sendAsync(t, srv, key, "{}")
 	<-entered
 	proxy.Cut()
 	close(release)
@@ -341,8 +359,7 @@ func TestHeartbeatHoldsTheKey(t *testing.T) {
 	entered, release := make(chan struct{}), make(chan struct{})
 	srv := serve(t, m.Require, blockingHandler(&runs, entered, release))
 	key := uuid.NewString()
-	first := make(chan response, 1)
-	go func() { first <- post(t, srv, key, "{}") }()
+	first := sendAsync(t, srv, key, "{}")
 	<-entered
 	start := time.Now()
 	for time.Since(start) < 5*lockTTL { // what is tested is the passing of time
@@ -435,7 +452,7 @@ func TestWebhookIntakeOnce(t *testing.T) {
 			mac.Write([]byte(id + "." + ts + "." + body))
 			sig = base64.StdEncoding.EncodeToString(mac.Sum(nil))
 		}
-		req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(body))
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader(body))
 		req.Header.Set("webhook-id", id)
 		req.Header.Set("webhook-timestamp", ts)
 		req.Header.Set("webhook-signature", "v1,"+sig)

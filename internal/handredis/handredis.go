@@ -12,6 +12,7 @@ package handredis
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"strconv"
 	"time"
@@ -58,7 +59,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 				_, _ = w.Write(s.Body)
 				return
 			}
-		} else if err != redis.Nil {
+		} else if !errors.Is(err, redis.Nil) {
 			http.Error(w, "redis: "+err.Error(), http.StatusServiceUnavailable)
 			return
 		}
