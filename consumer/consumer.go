@@ -410,12 +410,19 @@ func (r *run) fatal() error {
 	return r.err
 }
 
-// dispatch appends polled records to their partition's worker, starting the
-// worker on first use. It runs on the poll goroutine between PollRecords and
-// AllowRebalance, so no revocation runs concurrently.
+// dispatch appends polled records to their partition's worker. It runs on
+// the poll goroutine between PollRecords and AllowRebalance, so no
+// revocation runs concurrently.
 func (r *run) dispatch(topic string, partition int32, hwm int64, recs []*kgo.Record) {
-	key := tp{topic, partition}
+	w := r.worker(tp{topic, partition})
+	w.hwm.Store(hwm)
+	w.push(recs)
+}
+
+// worker returns the partition's worker, starting it if it has none.
+func (r *run) worker(key tp) *worker {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	w := r.workers[key]
 	if w == nil {
 		w = r.newWorker(key)
@@ -427,9 +434,7 @@ func (r *run) dispatch(topic string, partition int32, hwm int64, recs []*kgo.Rec
 			w.loop()
 		}()
 	}
-	r.mu.Unlock()
-	w.hwm.Store(hwm)
-	w.push(recs)
+	return w
 }
 
 // shutdown drains the workers, commits their offsets and leaves the group.
@@ -547,9 +552,17 @@ func (r *run) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string]
 	}
 }
 
-// onAssigned logs the partitions the member gained; their workers start
-// with their first records.
+// onAssigned starts a worker for each partition the member gained, records
+// or not: the worker takes the partition's partition_owners row (see
+// startOwnership), so that the member's clean exit deletes it even when the
+// partition never had a record to process. A partition assigned while
+// stopping is left by the final onRevoked like any other.
 func (r *run) onAssigned(_ context.Context, _ *kgo.Client, assigned map[string][]int32) {
+	for topic, ps := range assigned {
+		for _, p := range ps {
+			r.worker(tp{topic, p})
+		}
+	}
 	if len(assigned) > 0 {
 		r.c.cfg.Logger.Info("oncely partitions assigned", "partitions", assigned)
 	}

@@ -21,11 +21,14 @@ import (
 // The partition_owners table (migration 0006) carries what survives the
 // process:
 //
-//   - A worker writes its partition's row before it processes a record
-//     (ownerQueries.start), and deletes it when the partition leaves the
-//     member cleanly, after the final offset commit (run.forget). A row that
-//     is already there when a worker starts says that the previous owner
-//     died: it did not let the partition go.
+//   - A worker writes its partition's row when it starts, before it
+//     processes a record (ownerQueries.start), and deletes it when the
+//     partition leaves the member cleanly, after the final offset commit
+//     (run.forget). A worker starts as soon as its partition is assigned,
+//     whether or not it has records: a member that holds a partition with
+//     nothing to do on it owns its row all the same, and its clean exit
+//     leaves none. A row that is already there when a worker starts says
+//     that the previous owner died: it did not let the partition go.
 //   - Such a partition starts in probe (worker.loopProbe): the records it
 //     holds when it starts (up to the high watermark of its first fetch,
 //     which bounds every record its previous owner can have been running)

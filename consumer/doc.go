@@ -62,9 +62,10 @@
 // A handler that kills the process (os.Exit, running out of memory, a panic
 // in a goroutine it started) leaves no error to count: Message.Attempt
 // starts again in each process, and every owner of the partition would die
-// on the record in turn. So each partition a member processes has a row in
+// on the record in turn. So each partition a member holds has a row in
 // the partition_owners table (migration 0006), written when its worker
-// starts and deleted when the partition leaves the member cleanly (a
+// starts (as soon as the partition is assigned, whether or not it has
+// records) and deleted when the partition leaves the member cleanly (a
 // revoke, a shutdown, after the final offset commit). A member that finds
 // the row already there knows that the previous owner died, and runs the
 // partition in probe until it has passed the records there when it

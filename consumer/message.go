@@ -90,7 +90,7 @@ type Stats struct {
 	DeadLetterErrs int64 // failed dead-letter produces (each retried)
 	OffsetCommits  int64 // successful offset commit requests
 	Batches        int64 // batch transactions committed (batch mode)
-	PartitionsHeld int64 // partitions with a live worker right now
+	PartitionsHeld int64 // partitions assigned to the member right now, each with a live worker
 	// Contention counts records whose transaction lost to another one
 	// (deadlock, serialization failure, lock timeout) and ran again; they
 	// spend no attempt and are never dead-lettered for it.

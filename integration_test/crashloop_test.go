@@ -217,8 +217,19 @@ func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
 		t.Errorf("partition 0's committed offset is %d, want %d: past the poison and the records after it", off, len(msgs)-20)
 	}
 	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
-		t.Errorf("%d partitions still marked as owned after a clean shutdown", n)
+		t.Errorf("%d partitions still marked as owned after a clean shutdown: %s", n, e.ownerRows(t))
 	}
+}
+
+// ownerRows describes the partition_owners rows, for a failure message.
+func (e *env) ownerRows(t *testing.T) string {
+	t.Helper()
+	var rows string
+	if err := e.db.Pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(format('partition %s (deaths %s, running offset %s)',
+		partition, deaths, coalesce(running_offset::text, 'none')), '; ' ORDER BY partition), 'none') FROM partition_owners`).Scan(&rows); err != nil {
+		t.Fatal(err)
+	}
+	return rows
 }
 
 // Partitions that leave a member cleanly (a graceful shutdown, a rebalance
@@ -416,4 +427,65 @@ func TestIdleCrashesDeadLetterNothing(t *testing.T) {
 		t.Errorf("%d records dead-lettered after deaths while the partition was idle", n)
 	}
 	e.assertExactlyOnce(t, 1+3+5) // idle-0, crash-*, late-*
+}
+
+// A member that holds a partition with nothing to process on it (every
+// record committed) still owns it: a clean exit deletes its row. A dies,
+// holding both partitions, after partition 0's last record is committed; B
+// is given both, has records only on partition 1, and stops cleanly. No row
+// is left, so C, the next start, probes neither partition: a row left by A
+// would put partition 0 in probe again, and count A's death a second time
+// against whatever A was running.
+func TestCleanExitAfterCrashForgetsPartitionsWithoutRecords(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	e.createDLQTopic(t)
+	hooks := &testhook.Consumer{AfterCommit: func(rec *kgo.Record) error {
+		if string(rec.Value) == "crash" {
+			return testhook.ErrCrash
+		}
+		return nil
+	}}
+	e.produce(t, []msg{{id: "first-0", partition: 0}})
+	a := e.start(testhook.WithConsumer(context.Background(), hooks), e.config("a", recordEffect("a")))
+	eventually(t, time.Minute, "A to process and commit partition 0's record", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id = 'first-0'`) == 1 && e.committedOffset(t, 0) == 1
+	})
+	e.produce(t, []msg{{id: "crash", partition: 1}})
+	if err := a.wait(t, time.Minute); !errors.Is(err, testhook.ErrCrash) {
+		t.Fatalf("A's Run = %v, want the simulated crash", err)
+	}
+	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 2 {
+		t.Fatalf("%d partitions marked as owned after A's crash, want both", n)
+	}
+
+	// B: partition 0 has no record left for it; partition 1 has crash again
+	// (its offset was not committed), a duplicate now.
+	b := e.start(context.Background(), e.config("b", recordEffect("b")))
+	eventually(t, time.Minute, "B to commit partition 1 past crash", func() bool { return e.committedLag(t) == 0 })
+	if err := b.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	if s := b.c.Stats(); s.CrashProbes != 2 {
+		t.Errorf("B started %d partitions in probe, want both: A died holding them", s.CrashProbes)
+	}
+	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+		t.Fatalf("%d partitions still marked as owned after B's clean shutdown: %s", n, e.ownerRows(t))
+	}
+
+	c := e.start(context.Background(), e.config("c", recordEffect("c")))
+	e.produce(t, []msg{{id: "c-0", partition: 0}, {id: "c-1", partition: 1}})
+	eventually(t, time.Minute, "C to process its records", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id IN ('c-0', 'c-1')`) == 2 && e.committedLag(t) == 0
+	})
+	if err := c.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	if s := c.c.Stats(); s.CrashProbes != 0 {
+		t.Errorf("C started %d partitions in probe after B's clean shutdown, want none", s.CrashProbes)
+	}
+	e.assertExactlyOnce(t, 1+1+2) // first-0, crash, c-*
+	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+		t.Errorf("%d partitions still marked as owned after C's clean shutdown", n)
+	}
 }
