@@ -214,15 +214,16 @@ type run struct {
 }
 
 // Run joins the group and processes records until ctx is cancelled. It
-// fails at once, with ErrNotMigrated, when the inbox table does not exist
-// in Config.Schema. On the way out it finishes in-flight records,
-// commits offsets and leaves the group, all bounded by ShutdownTimeout. It
+// fails at once, with ErrNotMigrated, when a table it uses (the inbox, the
+// redrive grants, the partition owners) does not exist in Config.Schema. On
+// the way out it finishes in-flight records, commits offsets and leaves the
+// group, all bounded by ShutdownTimeout. It
 // returns nil after a shutdown requested through ctx. Run may be called once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
 		return errors.New("consumer: Run called more than once")
 	}
-	if err := c.checkInbox(ctx); err != nil {
+	if err := c.checkTables(ctx); err != nil {
 		return err
 	}
 	pollCtx, cancelPoll := context.WithCancel(ctx)
@@ -362,23 +363,30 @@ func (c *Consumer) contended(ctx context.Context, rec *kgo.Record, n int) {
 	c.lostToContention()
 }
 
-// ErrNotMigrated is returned by Run when the inbox table, or the
-// partition_owners table that crash-loop detection needs, does not exist.
+// ErrNotMigrated is returned by Run when a table the consumer uses does not
+// exist: the inbox, the redrive grants, or the partition_owners table that
+// crash-loop detection needs. The error names each missing table.
 var ErrNotMigrated = errors.New("consumer: a table of oncely's schema does not exist")
 
-// checkInbox fails Run at start-up when the inbox table (or, unless
-// CrashLoopLimit is -1, the partition_owners table) is missing: the schema
-// was never migrated (or not to the latest version), or Config.Schema names
-// another schema than the migrations did. Every claim would fail (42P01)
-// until someone noticed. A database that does not answer is not checked
-// here: the record path waits for it.
-func (c *Consumer) checkInbox(ctx context.Context) error {
+// checkTables fails Run at start-up when a table the consumer uses is
+// missing: the inbox (migration 0001), redrive_grants (0007; the claim of
+// every record carrying dlq.HeaderRedrive uses it) and, unless
+// CrashLoopLimit is -1, partition_owners (0006). The schema was never
+// migrated, or not to the latest version, or Config.Schema names another
+// schema than the migrations did: the statements on a missing table would
+// fail (42P01) on the first record that needs them. The tables are looked
+// up by name, not in the migrations' version table, so a schema migrated
+// with other tools (goose, atlas, psql) from the same files passes. A
+// database that does not answer is not checked here: the record path
+// waits for it.
+func (c *Consumer) checkTables(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	tables := []string{sqlident.Table(c.cfg.Schema, "inbox")}
+	tables := []string{sqlident.Table(c.cfg.Schema, "inbox"), sqlident.Table(c.cfg.Schema, "redrive_grants")}
 	if c.crashLoopOn() {
 		tables = append(tables, c.owners.table)
 	}
+	var missing []string
 	for _, table := range tables {
 		var found bool
 		if err := c.cfg.Pool.QueryRow(cctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&found); err != nil {
@@ -386,9 +394,12 @@ func (c *Consumer) checkInbox(ctx context.Context) error {
 			return nil
 		}
 		if !found {
-			return fmt.Errorf("%w: %s is missing (Config.Schema %q): apply the migrations to that schema first (package migrations, or `oncely migrate up --schema %s`)",
-				ErrNotMigrated, table, c.cfg.Schema, c.cfg.Schema)
+			missing = append(missing, table)
 		}
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("%w: %s missing (Config.Schema %q): apply the migrations to that schema first (package migrations, or `oncely migrate up --schema %s`)",
+			ErrNotMigrated, strings.Join(missing, ", "), c.cfg.Schema, c.cfg.Schema)
 	}
 	return nil
 }
@@ -1073,7 +1084,25 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 			if err == nil || errors.Is(err, dedup.ErrNotClaimed) {
 				break
 			}
-			w.databaseDown(true)
+			if w.ctx.Err() != nil {
+				return false
+			}
+			if !databaseFailed(err) && !isContention(err) {
+				// Not an outage: waiting would not end it. Without a grant
+				// confirmed, a redrive header counts for nothing: an id
+				// dead-lettered before is a duplicate, and an id not found
+				// is dead-lettered.
+				c.outage.Log(w.ctx, slog.LevelError, "oncely dead-letter lookup failed",
+					"oncely inbox lookup of an oversized record failed", "topic", rec.Topic,
+					"partition", rec.Partition, "offset", rec.Offset, "message_id", id, "err", err)
+				if o == dedup.DeadLettered {
+					c.duplicates.Add(1)
+					return w.hook(w.r.hooks.AfterCommit, rec)
+				}
+				redrive = false
+				break
+			}
+			w.databaseDown(databaseFailed(err))
 			if !w.sleep(c.backoff.Delay(n)) {
 				return false
 			}
@@ -1143,23 +1172,9 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 	}
 	entry := dedup.Entry{Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition,
 		Offset: rec.Offset, Outcome: dedup.DeadLettered, Redrive: redrive}
-	for n := 1; ; n++ {
-		// An id already present (dead-lettered before a redrive, or processed
-		// by a zombie meanwhile) keeps its row: DO NOTHING. A redriven
-		// record uses up its redrive grant here: it had its run.
-		_, err := c.inbox.Claim(w.ctx, c.cfg.Pool, entry)
-		if err == nil {
-			break
-		}
-		if w.ctx.Err() != nil {
-			return false
-		}
-		w.databaseDown(true)
-		if !w.sleep(c.backoff.Delay(n)) {
-			return false
-		}
+	if !w.recordDeadLettered(rec, entry) {
+		return false
 	}
-	w.databaseDown(false)
 	c.deadLettered.Add(1)
 	c.metrics.deadLettered.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka,
 		telemetry.MessagingConsumerGroup.String(c.cfg.Group), telemetry.MessagingDestination.String(rec.Topic),
@@ -1167,6 +1182,63 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 	c.cfg.Logger.Warn("oncely record dead-lettered", "topic", rec.Topic, "partition", rec.Partition,
 		"offset", rec.Offset, "message_id", id, "class", f.class, "attempts", f.attempts, "dlq_topic", topic, "err", f.err)
 	return w.hook(w.r.hooks.AfterDeadLetter, rec)
+}
+
+// deadLetterRowAttempts bounds the attempts at a dead-lettered record's
+// inbox row that fail for another reason than the database being away.
+const deadLetterRowAttempts = 5
+
+// recordDeadLettered writes the inbox row of a record whose dead-letter
+// copy is durable. An id already present (dead-lettered before a redrive,
+// or processed by a zombie meanwhile) keeps its row: DO NOTHING. A
+// redriven record uses up its redrive grant here: it had its run.
+//
+// While the database is unreachable, or the statement loses to
+// contention, it waits without limit: the partition waits for the
+// database. Any other error (a missing table, say) would not end by
+// waiting. It is logged; a redriven record's claim falls back to an
+// ordinary one (the grant is left, as when a redrive's produce fails); and
+// after deadLetterRowAttempts such failures the record goes without its
+// row, which only costs a later redelivery of the id one more run and
+// dead-letter copy: its copy is durable, so the offset may pass it. It
+// returns false if the worker was stopped or abandoned first.
+func (w *worker) recordDeadLettered(rec *kgo.Record, entry dedup.Entry) bool {
+	c := w.r.c
+	failed := 0
+	for n := 1; ; n++ {
+		_, err := c.inbox.Claim(w.ctx, c.cfg.Pool, entry)
+		if err == nil {
+			break
+		}
+		if w.ctx.Err() != nil {
+			return false
+		}
+		args := []any{"topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset,
+			"message_id", entry.MessageID, "err", err}
+		if databaseFailed(err) || isContention(err) {
+			w.databaseDown(databaseFailed(err))
+			c.outage.Warn(w.ctx, "oncely dead-letter inbox row failed on the database; retrying", args...)
+		} else {
+			w.databaseDown(false)
+			failed++
+			if failed >= deadLetterRowAttempts {
+				c.cfg.Logger.Error("oncely dead-lettered record left without its inbox row; a redelivery of its id runs again",
+					append(args, "attempts", failed)...)
+				break
+			}
+			msg := "oncely dead-letter inbox row failed; retrying"
+			if entry.Redrive {
+				entry.Redrive = false
+				msg = "oncely dead-letter inbox row with a redrive grant failed; retrying without the grant"
+			}
+			c.outage.Log(w.ctx, slog.LevelError, "oncely dead-letter inbox row failed", msg, args...)
+		}
+		if !w.sleep(c.backoff.Delay(n)) {
+			return false
+		}
+	}
+	w.databaseDown(false)
+	return true
 }
 
 // hook runs a test hook; a simulated crash stops the run and reports false.

@@ -46,14 +46,14 @@
 //
 // # Start-up and readiness
 //
-// Run fails at start-up, with an error naming what is wrong, when the inbox
-// table is missing (ErrNotMigrated) or when a topic or its dead-letter
-// topic does not exist (ErrMissingTopics): the consumer never creates
-// topics. Brokers that do not answer at start-up are waited for; past
-// Config.BrokerTimeout an ERROR names them. Ready is false, and NotReady
-// says why, while no broker answers (checked every two seconds, and while
-// starting), a partition waits for the
-// database or for its dead-letter topic, or a partition has been on one
+// Run fails at start-up, with an error naming what is wrong, when a table it
+// uses (inbox, redrive_grants, partition_owners) is missing
+// (ErrNotMigrated) or when a topic or its dead-letter topic does not exist
+// (ErrMissingTopics): the consumer never creates topics. Brokers that do
+// not answer at start-up are waited for; past Config.BrokerTimeout an
+// ERROR names them. Ready is false, and NotReady says why, while no broker
+// answers (checked every two seconds, and while starting), a partition
+// waits for the database or for its dead-letter topic, or a partition has been on one
 // record longer than Config.StuckAfter. Only the partitions the member owns
 // count: a revoked one stops counting at once.
 //

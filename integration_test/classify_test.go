@@ -135,16 +135,7 @@ func TestMissingInboxFailsAtStart(t *testing.T) {
 	e := newEnv(t, 1)
 	cfg := e.config("a", recordEffect("a"))
 	cfg.Schema = testenv.UniqueName("unmigrated")
-	c, err := consumer.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	err = c.Run(ctx)
-	if !errors.Is(err, consumer.ErrNotMigrated) || !strings.Contains(err.Error(), cfg.Schema+`"."inbox"`) {
-		t.Fatalf("Run = %v; want ErrNotMigrated naming %s.inbox", err, cfg.Schema)
-	}
+	assertNotMigrated(t, cfg, "inbox")
 }
 
 // TestAbortedTransactionsAreNotProcessed: records of a Kafka transaction
