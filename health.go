@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -87,12 +88,8 @@ func (r *Runner) Ready() error {
 // watch pings the database every HealthInterval and checks the topics every
 // ten intervals, until ctx is done.
 func (r *Runner) watch(ctx context.Context) {
-	var cl *kgo.Client
-	defer func() {
-		if cl != nil {
-			cl.Close()
-		}
-	}()
+	clients := make([]*kgo.Client, len(r.consumers)) // made on first use, one per consumer
+	defer closeClients(clients)
 	t := time.NewTicker(r.cfg.HealthInterval)
 	defer t.Stop()
 	for i := 0; ; i++ {
@@ -104,16 +101,11 @@ func (r *Runner) watch(ctx context.Context) {
 		r.health.db = err
 		r.health.mu.Unlock()
 		if i%10 == 9 && len(r.consumers) > 0 {
-			if cl == nil {
-				cl, err = r.kafkaClient()
-			}
-			if err == nil {
-				var missing []Reason
-				if missing, err = r.checkTopics(ctx, cl); err == nil {
-					r.health.mu.Lock()
-					r.health.missing = missing
-					r.health.mu.Unlock()
-				}
+			var missing []Reason
+			if missing, err = r.checkTopics(ctx, clients); err == nil {
+				r.health.mu.Lock()
+				r.health.missing = missing
+				r.health.mu.Unlock()
 			}
 			if err != nil && ctx.Err() == nil {
 				r.cfg.Logger.Warn("oncely: topic check failed", "err", err)
@@ -139,48 +131,79 @@ func (r *Runner) ping(ctx context.Context) error {
 	return r.cfg.Pool.Ping(ctx)
 }
 
-func (r *Runner) kafkaClient() (*kgo.Client, error) {
-	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(r.cfg.Brokers...)}, r.cfg.KafkaOpts...)...)
+// kafkaClient makes a client for e's topic check: on the consumer's own
+// brokers, with its own options. An error is the consumer's configuration's
+// (ErrInvalidConfig): trying again would not mend it.
+func (e *consumerEntry) kafkaClient() (*kgo.Client, error) {
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(e.brokers...)}, e.opts...)...)
 	if err != nil {
-		return nil, fmt.Errorf("oncely: kafka client: %w", err)
+		return nil, invalid(fmt.Sprintf("consumer group %q's Config.Brokers and ClientOpts (after the runner's KafkaOpts)", e.group),
+			"no Kafka client can be made of them: %v", err)
 	}
 	return cl, nil
 }
 
+func closeClients(clients []*kgo.Client) {
+	for _, cl := range clients {
+		if cl != nil {
+			cl.Close()
+		}
+	}
+}
+
 // checkTopics returns a Reason for each consumed topic and dead-letter topic
-// that does not exist. cl nil: a client is made for the check.
-func (r *Runner) checkTopics(ctx context.Context, cl *kgo.Client) ([]Reason, error) {
-	needs := map[string]string{} // topic -> who needs it
-	for _, e := range r.consumers {
-		for _, t := range e.topics {
-			needs[t] = fmt.Sprintf("consumed by group %q", e.group)
-			if _, ok := needs[e.dlq(t)]; !ok {
-				needs[e.dlq(t)] = fmt.Sprintf("the dead-letter topic of %q (group %q)", t, e.group)
-			}
-		}
+// that does not exist, asking each consumer's own brokers about its topics.
+// clients, aligned with r.consumers, keeps the clients between calls: a nil
+// one is made (and kept). clients nil: the clients are made for the check
+// and closed after it.
+func (r *Runner) checkTopics(ctx context.Context, clients []*kgo.Client) ([]Reason, error) {
+	if clients == nil {
+		clients = make([]*kgo.Client, len(r.consumers))
+		defer closeClients(clients)
 	}
-	if len(needs) == 0 {
-		return nil, nil
-	}
-	if cl == nil {
-		var err error
-		if cl, err = r.kafkaClient(); err != nil {
-			return nil, err
-		}
-		defer cl.Close()
-	}
-	topics := slices.Sorted(func(yield func(string) bool) {
-		for t := range needs {
-			if !yield(t) {
-				return
-			}
-		}
-	})
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
+	var missing []Reason
+	seen := map[Reason]bool{}
+	for i, e := range r.consumers {
+		if clients[i] == nil {
+			cl, err := e.kafkaClient()
+			if err != nil {
+				return nil, err
+			}
+			clients[i] = cl
+		}
+		m, err := e.checkTopics(ctx, clients[i])
+		if err != nil {
+			return nil, err
+		}
+		for _, reason := range m {
+			if !seen[reason] {
+				seen[reason] = true
+				missing = append(missing, reason)
+			}
+		}
+	}
+	return missing, nil
+}
+
+// checkTopics returns a Reason for each of e's topics and dead-letter
+// topics that cl's brokers say does not exist.
+func (e *consumerEntry) checkTopics(ctx context.Context, cl *kgo.Client) ([]Reason, error) {
+	needs := map[string]string{} // topic -> why the consumer needs it
+	for _, t := range e.topics {
+		needs[t] = fmt.Sprintf("consumed by group %q", e.group)
+		if _, ok := needs[e.dlq(t)]; !ok {
+			needs[e.dlq(t)] = fmt.Sprintf("the dead-letter topic of %q (group %q)", t, e.group)
+		}
+	}
+	topics := slices.Sorted(maps.Keys(needs))
+	if len(topics) == 0 {
+		return nil, nil
+	}
 	details, err := kadm.NewClient(cl).ListTopics(ctx, topics...)
 	if err != nil {
-		return nil, fmt.Errorf("oncely: list topics: %w", err)
+		return nil, fmt.Errorf("oncely: list topics of group %q on %s: %w", e.group, strings.Join(e.brokers, ", "), err)
 	}
 	var missing []Reason
 	for _, t := range topics {

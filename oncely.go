@@ -146,6 +146,9 @@ type consumerEntry struct {
 	group  string
 	topics []string
 	dlq    func(string) string
+	// brokers and opts reach the consumer's cluster, for the topic check.
+	brokers []string
+	opts    []kgo.Opt
 }
 
 type loop struct {
@@ -367,7 +370,8 @@ func (r *Runner) AddConsumer(cfg consumer.Config) (*consumer.Consumer, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &consumerEntry{c: c, group: cfg.Group, topics: cfg.Topics, dlq: cfg.DeadLetterTopic}
+	e := &consumerEntry{c: c, group: cfg.Group, topics: cfg.Topics, dlq: cfg.DeadLetterTopic,
+		brokers: cfg.Brokers, opts: cfg.ClientOpts}
 	if e.dlq == nil {
 		e.dlq = dlq.DefaultTopic
 	}

@@ -197,6 +197,8 @@ func (r *Runner) start(ctx context.Context) error {
 			return fmt.Errorf("%w: %s", ErrMissingTopic, reasonList(missing))
 		case err == nil:
 			return nil
+		case errors.Is(err, ErrInvalidConfig):
+			return err
 		case ctx.Err() != nil:
 			return ctx.Err()
 		}
