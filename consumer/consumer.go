@@ -1068,14 +1068,14 @@ func (f *failure) fail(res result) {
 // again to whoever owns the partition next.
 func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 	c := w.r.c
-	redrive := isRedrive(rec)
+	ref, redrive := redriveRef(rec)
 	if f.class == dlq.ClassOversized { // never claimed: check for a redelivery here
 		for n := 1; ; n++ {
 			o, err := c.inbox.Lookup(w.ctx, c.cfg.Pool, c.cfg.Group, id)
 			if err == nil && o == dedup.DeadLettered && redrive {
 				// Dead-lettered again only when an operator redrove it:
 				// the header alone is anybody's to write.
-				redrive, err = c.inbox.RedriveGranted(w.ctx, c.cfg.Pool, c.cfg.Group, id)
+				redrive, err = c.inbox.RedriveGranted(w.ctx, c.cfg.Pool, c.cfg.Group, id, ref)
 			}
 			if err == nil && (o == dedup.Processed || !redrive) {
 				c.duplicates.Add(1)
@@ -1171,7 +1171,7 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 		}
 	}
 	entry := dedup.Entry{Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition,
-		Offset: rec.Offset, Outcome: dedup.DeadLettered, Redrive: redrive}
+		Offset: rec.Offset, Outcome: dedup.DeadLettered, Redrive: redrive, RedriveRef: ref}
 	if !w.recordDeadLettered(rec, entry) {
 		return false
 	}
@@ -1309,12 +1309,19 @@ func recordSize(rec *kgo.Record) int {
 }
 
 func isRedrive(rec *kgo.Record) bool {
+	_, ok := redriveRef(rec)
+	return ok
+}
+
+// redriveRef returns the value of rec's dlq.HeaderRedrive header: the
+// dead-letter record it says it was redriven from.
+func redriveRef(rec *kgo.Record) (string, bool) {
 	for _, h := range rec.Headers {
 		if h.Key == dlq.HeaderRedrive {
-			return true
+			return string(h.Value), true
 		}
 	}
-	return false
+	return "", false
 }
 
 type result struct {
@@ -1354,9 +1361,10 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		return res
 	}
 	// BEGIN, the claim and the conflict locks travel in one round trip.
+	ref, redrive := redriveRef(rec)
 	tx, claimed, err := c.inbox.BeginClaim(ctx, c.cfg.Pool, dedup.Entry{
 		Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
-		Redrive: isRedrive(rec),
+		Redrive: redrive, RedriveRef: ref,
 	}, c.locking(locks)...)
 	if err != nil {
 		res.err, res.contention, res.infra = err, isContention(err), databaseFailed(err)

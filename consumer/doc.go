@@ -39,10 +39,12 @@
 // A record redriven from a dead-letter topic (it carries the
 // dlq.HeaderRedrive header and its original dedup id) is processed once more
 // if the inbox holds its id as dead-lettered and a redrive grant for it
-// exists (recorded by dlq.Redrive): its claim consumes the grant in the same
-// transaction, so each redrive runs the message once. Without a grant (the
-// header alone, which any producer can write) or if the id was processed
-// since, it is a duplicate.
+// exists (recorded by dlq.Redrive) for the dead-letter record its header
+// names: its claim consumes the grant in the same transaction, so each
+// redrive runs the message once. Without such a grant (the header alone,
+// which any producer can write, even naming another dead-letter record
+// while an operator's grant is pending) or if the id was processed since,
+// it is a duplicate.
 //
 // # Start-up and readiness
 //

@@ -42,12 +42,19 @@ type Entry struct {
 	Outcome   Outcome // default Processed
 	// Redrive marks a record that says it was redriven from a dead-letter
 	// topic. Its claim consumes the redrive grant of its id (GrantRedrive),
-	// if there is one, and only with a grant does it take over an id that
-	// the inbox holds as dead-lettered: the row becomes processed, and the
-	// claim counts as new. Without a grant the claim is an ordinary one. An
-	// id held as processed is still a duplicate. A dead-lettered outcome
-	// consumes the grant too: the redriven record had its one more run.
+	// if there is one whose ref is RedriveRef, and only with a grant does
+	// it take over an id that the inbox holds as dead-lettered: the row
+	// becomes processed, and the claim counts as new. Without a grant the
+	// claim is an ordinary one. An id held as processed is still a
+	// duplicate. A dead-lettered outcome consumes the grant too: the
+	// redriven record had its one more run.
 	Redrive bool
+	// RedriveRef is what the redriven record says it was redriven from
+	// (the value of its dlq.HeaderRedrive header: the dead-letter record's
+	// topic/partition/offset). Only a grant made for that very ref is
+	// taken: while a grant is pending, another record with the id and the
+	// header (anybody can write both) is an ordinary claim.
+	RedriveRef string
 }
 
 // Config configures an Inbox.
@@ -80,7 +87,7 @@ func New(cfg Config) (*Inbox, error) {
 	g := sqlident.Table(schema, "redrive_grants")
 	// A redriven record's claim deletes its grant in the same statement:
 	// the claim and the grant's use commit or roll back together.
-	takeGrant := `WITH g AS (DELETE FROM ` + g + ` WHERE consumer_group = $1 AND message_id = $2 RETURNING 1) `
+	takeGrant := `WITH g AS (DELETE FROM ` + g + ` WHERE consumer_group = $1 AND message_id = $2 AND ref = $7 RETURNING 1) `
 	return &Inbox{
 		schema: schema,
 		claim: `INSERT INTO ` + t + ` (consumer_group, message_id, topic, partition, "offset", outcome)
@@ -98,7 +105,7 @@ func New(cfg Config) (*Inbox, error) {
 		grant: `INSERT INTO ` + g + ` (consumer_group, message_id, ref) VALUES ($1, $2, $3)
 			ON CONFLICT (consumer_group, message_id) DO UPDATE SET ref = EXCLUDED.ref, granted_at = now()`,
 		revoke:  `DELETE FROM ` + g + ` WHERE consumer_group = $1 AND message_id = $2`,
-		granted: `SELECT EXISTS (SELECT 1 FROM ` + g + ` WHERE consumer_group = $1 AND message_id = $2)`,
+		granted: `SELECT EXISTS (SELECT 1 FROM ` + g + ` WHERE consumer_group = $1 AND message_id = $2 AND ref = $3)`,
 		claimMany: `INSERT INTO ` + t + ` (consumer_group, message_id, topic, partition, "offset", outcome)
 			SELECT $1, u.id, u.topic, u.part, u.off, u.outcome
 			FROM unnest($2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[]) AS u(id, topic, part, off, outcome)
@@ -219,14 +226,14 @@ func (in *Inbox) claimArgs(e Entry) (string, []any, error) {
 	if err := e.check(); err != nil {
 		return "", nil, err
 	}
-	sql := in.claim
+	args := []any{e.Group, e.MessageID, e.Topic, e.Partition, e.Offset, string(e.Outcome)}
 	switch {
 	case e.Redrive && e.Outcome == DeadLettered:
-		sql = in.redriveDead
+		return in.redriveDead, append(args, e.RedriveRef), nil
 	case e.Redrive:
-		sql = in.redrive
+		return in.redrive, append(args, e.RedriveRef), nil
 	}
-	return sql, []any{e.Group, e.MessageID, e.Topic, e.Partition, e.Offset, string(e.Outcome)}, nil
+	return in.claim, args, nil
 }
 
 // ClaimMany claims all entries of one group in a single statement and returns,
@@ -362,14 +369,18 @@ func (in *Inbox) Lookup(ctx context.Context, db DBTX, group, messageID string) (
 
 // GrantRedrive records that the dead-lettered message id of group may run
 // once more: the next claim of a record marked as redriven (Entry.Redrive)
-// takes over its dead-lettered inbox row, consuming the grant in its
-// transaction. ref names the dead-letter record redriven. Granting an id
-// that already has a grant leaves one grant. Record the grant before
-// producing the redriven record, or the consumer may see the record first
-// and skip it as a duplicate.
+// from ref (Entry.RedriveRef) takes over its dead-lettered inbox row,
+// consuming the grant in its transaction. ref names the dead-letter record
+// redriven, as the redriven record's dlq.HeaderRedrive header does; it is
+// required. Granting an id that already has a grant leaves one grant, for
+// the latest ref. Record the grant before producing the redriven record,
+// or the consumer may see the record first and skip it as a duplicate.
 func (in *Inbox) GrantRedrive(ctx context.Context, db DBTX, group, messageID, ref string) error {
 	if group == "" || messageID == "" {
 		return ErrInvalidEntry
+	}
+	if ref == "" {
+		return fmt.Errorf("dedup: grant redrive of %q: the ref of the redriven dead-letter record is required", messageID)
 	}
 	if _, err := db.Exec(ctx, in.grant, group, messageID, ref); err != nil {
 		return fmt.Errorf("dedup: grant redrive of %q: %w", messageID, err)
@@ -386,10 +397,11 @@ func (in *Inbox) RevokeRedrive(ctx context.Context, db DBTX, group, messageID st
 	return nil
 }
 
-// RedriveGranted reports whether a message id holds a redrive grant.
-func (in *Inbox) RedriveGranted(ctx context.Context, db DBTX, group, messageID string) (bool, error) {
+// RedriveGranted reports whether a message id holds a redrive grant for
+// the dead-letter record ref.
+func (in *Inbox) RedriveGranted(ctx context.Context, db DBTX, group, messageID, ref string) (bool, error) {
 	var ok bool
-	if err := db.QueryRow(ctx, in.granted, group, messageID).Scan(&ok); err != nil {
+	if err := db.QueryRow(ctx, in.granted, group, messageID, ref).Scan(&ok); err != nil {
 		return false, fmt.Errorf("dedup: redrive grant of %q: %w", messageID, err)
 	}
 	return ok, nil

@@ -780,10 +780,10 @@ func TestRedriveNeedsAGrant(t *testing.T) {
 	t.Parallel()
 	db, in, ctx := setup(t)
 	dead := dedup.Entry{Group: "g", MessageID: "m", Outcome: dedup.DeadLettered}
-	redrive := dedup.Entry{Group: "g", MessageID: "m", Redrive: true}
+	redrive := dedup.Entry{Group: "g", MessageID: "m", Redrive: true, RedriveRef: "t.dlq/0/3"}
 	granted := func() bool {
 		t.Helper()
-		ok, err := in.RedriveGranted(ctx, db.Pool, "g", "m")
+		ok, err := in.RedriveGranted(ctx, db.Pool, "g", "m", "t.dlq/0/3")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -824,14 +824,47 @@ func TestRedriveNeedsAGrant(t *testing.T) {
 	if err := in.GrantRedrive(ctx, db.Pool, "g", "n", "t.dlq/0/4"); err != nil {
 		t.Fatal(err)
 	}
-	other.Redrive = true
+	other.Redrive, other.RedriveRef = true, "t.dlq/0/4"
 	claimTx(t, ctx, db.Pool, in, other)
-	if ok, err := in.RedriveGranted(ctx, db.Pool, "g", "n"); err != nil || ok {
+	if ok, err := in.RedriveGranted(ctx, db.Pool, "g", "n", "t.dlq/0/4"); err != nil || ok {
 		t.Fatalf("grant of n after its dead-letter claim: %v, %v; want used up", ok, err)
 	}
 	// Revoking a grant that is gone is no error.
 	if err := in.RevokeRedrive(ctx, db.Pool, "g", "n"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A grant is taken only by a claim redriven from the dead-letter record it
+// was made for: another record with the id and a redrive header of another
+// ref (anybody can write both) is an ordinary claim, and leaves the grant.
+func TestRedriveGrantTakenOnlyByItsRef(t *testing.T) {
+	t.Parallel()
+	db, in, ctx := setup(t)
+	if err := in.GrantRedrive(ctx, db.Pool, "g", "m", ""); err == nil {
+		t.Fatal("a grant without a ref was recorded")
+	}
+	claimTx(t, ctx, db.Pool, in, dedup.Entry{Group: "g", MessageID: "m", Outcome: dedup.DeadLettered})
+	if err := in.GrantRedrive(ctx, db.Pool, "g", "m", "t.dlq/0/3"); err != nil {
+		t.Fatal(err)
+	}
+	for _, forged := range []dedup.Entry{
+		{Group: "g", MessageID: "m", Redrive: true, RedriveRef: "t.dlq/0/9"},
+		{Group: "g", MessageID: "m", Redrive: true},
+		{Group: "g", MessageID: "m", Redrive: true, RedriveRef: "t.dlq/0/9", Outcome: dedup.DeadLettered},
+	} {
+		if claimTx(t, ctx, db.Pool, in, forged) {
+			t.Fatalf("a redrive claim from %q took the grant made for t.dlq/0/3", forged.RedriveRef)
+		}
+	}
+	if ok, err := in.RedriveGranted(ctx, db.Pool, "g", "m", "t.dlq/0/9"); err != nil || ok {
+		t.Fatalf("grant for another ref: %v, %v; want none", ok, err)
+	}
+	if ok, err := in.RedriveGranted(ctx, db.Pool, "g", "m", "t.dlq/0/3"); err != nil || !ok {
+		t.Fatalf("grant for its ref after the other claims: %v, %v; want kept", ok, err)
+	}
+	if !claimTx(t, ctx, db.Pool, in, dedup.Entry{Group: "g", MessageID: "m", Redrive: true, RedriveRef: "t.dlq/0/3"}) {
+		t.Fatal("the redrive claim from the granted ref was not new")
 	}
 }
 
