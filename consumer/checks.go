@@ -43,9 +43,14 @@ func (r *run) checkKafka(ctx context.Context) error {
 		}
 		if err == nil {
 			r.brokers.Up()
-			return missingTopics(topics, md)
-		}
-		if waited := time.Since(start); waited >= c.cfg.BrokerTimeout {
+			terr, retry := topicsError(topics, md)
+			if !retry {
+				return terr
+			}
+			// A topic just created, say, whose leader is not elected yet.
+			c.outage.Warn(ctx, "oncely consumer waits for topics the brokers are still setting up",
+				"group", c.cfg.Group, "err", terr)
+		} else if waited := time.Since(start); waited >= c.cfg.BrokerTimeout {
 			r.brokers.SetDown(fmt.Sprintf("no Kafka broker answers (%s) since start-up %s ago: %v",
 				strings.Join(c.cfg.Brokers, ", "), waited.Truncate(time.Second), err))
 			if !logged {
@@ -63,28 +68,35 @@ func (r *run) checkKafka(ctx context.Context) error {
 	}
 }
 
-// missingTopics returns ErrMissingTopics naming each of topics that md
-// says does not exist, or the error the brokers gave for a topic.
-func missingTopics(topics []string, md kadm.Metadata) error {
+// topicsError returns ErrMissingTopics naming each of topics that md says
+// does not exist, or the errors the brokers gave for topics. retry says
+// that every error is one the brokers are expected to get over (a leader
+// not elected yet just after the topic's creation, kerr.IsRetriable), to
+// be waited for: then err says which.
+func topicsError(topics []string, md kadm.Metadata) (err error, retry bool) {
 	var missing []string
-	var failed []error
+	var failed, retriable []error
 	for _, t := range topics {
 		d, ok := md.Topics[t]
 		switch {
 		case !ok || errors.Is(d.Err, kerr.UnknownTopicOrPartition):
 			missing = append(missing, t)
+		case d.Err != nil && kerr.IsRetriable(d.Err):
+			retriable = append(retriable, fmt.Errorf("%s: %w", t, d.Err))
 		case d.Err != nil:
 			failed = append(failed, fmt.Errorf("%s: %w", t, d.Err))
 		}
 	}
-	if len(missing) > 0 {
+	switch {
+	case len(missing) > 0:
 		return fmt.Errorf("%w: %s (Config.Topics and their dead-letter topics, Config.DeadLetterTopic, must exist: the consumer does not create topics)",
-			ErrMissingTopics, strings.Join(missing, ", "))
+			ErrMissingTopics, strings.Join(missing, ", ")), false
+	case len(failed) > 0:
+		return fmt.Errorf("consumer: describe topics: %w", errors.Join(failed...)), false
+	case len(retriable) > 0:
+		return fmt.Errorf("consumer: describe topics: %w", errors.Join(retriable...)), true
 	}
-	if len(failed) > 0 {
-		return fmt.Errorf("consumer: describe topics: %w", errors.Join(failed...))
-	}
-	return nil
+	return nil, false
 }
 
 // checkedTopics are the topics the consumer needs: its source topics and
