@@ -93,22 +93,23 @@ func (r *Runner) watch(ctx context.Context) {
 	t := time.NewTicker(r.cfg.HealthInterval)
 	defer t.Stop()
 	for i := 0; ; i++ {
-		err := r.ping(ctx)
+		dbErr := r.ping(ctx)
 		if ctx.Err() != nil {
 			return
 		}
 		r.health.mu.Lock()
-		r.health.db = err
+		r.health.db = dbErr
 		r.health.mu.Unlock()
+		// The topics are checked whatever the database's state: /readyz
+		// names every problem there is.
 		if i%10 == 9 && len(r.consumers) > 0 {
-			var missing []Reason
-			if missing, err = r.checkTopics(ctx, clients); err == nil {
+			missing, topicErr := r.checkTopics(ctx, clients)
+			if topicErr == nil {
 				r.health.mu.Lock()
 				r.health.missing = missing
 				r.health.mu.Unlock()
-			}
-			if err != nil && ctx.Err() == nil {
-				r.cfg.Logger.Warn("oncely: topic check failed", "err", err)
+			} else if ctx.Err() == nil {
+				r.cfg.Logger.Warn("oncely: topic check failed", "err", topicErr)
 			}
 		}
 		select {

@@ -199,6 +199,24 @@ func (r *recorder) Header() http.Header         { return r.header }
 func (r *recorder) WriteHeader(s int)           { r.status = s }
 func (r *recorder) Write(b []byte) (int, error) { return r.body.Write(b) }
 
+// healthRunner returns a runner on pool, with a relay of rc if not nil and
+// a consumer of the env's topic that takes the runner's settings, checking
+// its health every 50ms.
+func (e *env) healthRunner(t *testing.T, pool *pgxpool.Pool, rc *outbox.RelayConfig) *oncely.Runner {
+	t.Helper()
+	r, err := oncely.New(oncely.Config{Pool: pool, Schema: e.db.Schema, Brokers: e.kafka.Brokers,
+		Relay: rc, HealthInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config("ready", recordEffect("ready"))
+	cfg.Brokers, cfg.Pool, cfg.Schema = nil, nil, ""
+	if _, err := r.AddConsumer(cfg); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
 // TestRunnerReadyz: /readyz is 200 when everything runs, 503 naming the
 // database while it is cut off, 200 again once it is back, and 503 naming
 // the topic when a dead-letter topic is deleted.
@@ -208,16 +226,7 @@ func TestRunnerReadyz(t *testing.T) {
 	dlqTopic := dlq.DefaultTopic(e.topic) // newEnv created it
 	proxy := testenv.NewPostgresProxy(t)
 	pool := e.runnerPool(t, proxy.URL)
-	r, err := oncely.New(oncely.Config{Pool: pool, Schema: e.db.Schema, Brokers: e.kafka.Brokers,
-		Relay: &outbox.RelayConfig{PollInterval: 100 * time.Millisecond}, HealthInterval: 50 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := e.config("ready", recordEffect("ready"))
-	cfg.Brokers, cfg.Pool, cfg.Schema = nil, nil, ""
-	if _, err := r.AddConsumer(cfg); err != nil {
-		t.Fatal(err)
-	}
+	r := e.healthRunner(t, pool, &outbox.RelayConfig{PollInterval: 100 * time.Millisecond})
 	h := r.Handler()
 	if code, body := readyz(t, h, false); code != http.StatusServiceUnavailable || !strings.Contains(body, "not running") {
 		t.Errorf("/readyz before Run: %d %q; want 503 naming the runner", code, body)
