@@ -258,6 +258,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		return fmt.Errorf("outbox: kafka client: %w", err)
 	}
 	defer cl.Close()
+	// Not ready until a broker answered: set before running, so that no
+	// moment of running shows the state of no check at all as ready.
+	r.brokers.Unchecked()
 	r.running.Store(true)
 	defer r.running.Store(false)
 	hooks := testhook.RelayFrom(ctx)
@@ -285,8 +288,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); r.listen(bg, wake) }()
 	go func() { defer wg.Done(); r.cleanup(bg) }()
 	// Checked every PollInterval, or every brokerCheckInterval when that
-	// is shorter; not ready until a broker answered.
-	r.brokers.Unchecked()
+	// is shorter.
 	go func() {
 		defer wg.Done()
 		brokercheck.Watch(bg, cl, r.cfg.Brokers, max(min(r.cfg.PollInterval, brokerCheckInterval), 100*time.Millisecond),
