@@ -15,6 +15,7 @@
 //	oncely inbox retention --retention D [--group G]
 //	oncely webhooks redrive (--subscription ID | --all-subscriptions) [--since T] [--until T] [--dry-run]
 //	oncely webhooks status|pause|resume ...
+//	oncely console [--listen 127.0.0.1:8089] [--token T] [--actions] [--dlq-topic T]...
 //
 // Every command takes --json: it then prints JSON Lines (one object per
 // row, or a single object for a summary) whose keys are snake_case.
@@ -60,6 +61,7 @@ const usage = `usage:
   oncely outbox status|parked|retry|discard [flags]
   oncely inbox count|get|retention [flags]
   oncely webhooks redrive|status|pause|resume [flags]
+  oncely console [flags]
 Run "oncely <command> <subcommand> -h" for the flags.
 `
 
@@ -81,6 +83,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 }
 
 func dispatch(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) > 0 && args[0] == "console" {
+		return consoleCmd(ctx, args[1:], stdout, stderr)
+	}
 	if len(args) < 2 {
 		fmt.Fprint(stderr, usage)
 		return usageErr("missing command")

@@ -1,0 +1,718 @@
+package console
+
+import (
+	"bytes"
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"html/template"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/outbox"
+	"github.com/oncely/oncely/webhook/outbound"
+)
+
+type navItem struct{ Key, Href, Label string }
+
+var navItems = []navItem{{"overview", "./", "Overview"}, {"dlq", "dlq", "Dead letters"}, {"outbox", "outbox", "Outbox"},
+	{"inbox", "inbox", "Inbox"}, {"webhooks", "webhooks", "Webhooks out"}}
+
+var funcs = template.FuncMap{
+	"navs": func() []navItem { return navItems },
+	"ts": func(t time.Time) string {
+		if t.IsZero() {
+			return "-"
+		}
+		return t.UTC().Format("2006-01-02 15:04:05Z")
+	},
+	"age": func(d time.Duration) string {
+		if d <= 0 {
+			return "-"
+		}
+		return d.Round(time.Second).String()
+	},
+	"redact":    outbound.RedactURL,
+	"printable": printable,
+	"clip": func(s string, n int) string {
+		if len(s) <= n {
+			return s
+		}
+		return dlq.Truncate(s, n-3) + "..."
+	},
+}
+
+// ---- Kafka ----
+
+func (s *server) kafka() (*kgo.Client, error) {
+	if len(s.cfg.KafkaOpts) == 0 {
+		return nil, errors.New("Kafka is not configured (no brokers)")
+	}
+	return kgo.NewClient(s.cfg.KafkaOpts...)
+}
+
+// dlqTopics returns the configured dead-letter topics, or every topic
+// named *.dlq.
+func (s *server) dlqTopics(ctx context.Context) ([]string, error) {
+	if len(s.cfg.DeadLetterTopics) > 0 {
+		return s.cfg.DeadLetterTopics, nil
+	}
+	cl, err := s.kafka()
+	if err != nil {
+		return nil, err
+	}
+	defer cl.Close()
+	td, err := kadm.NewClient(cl).ListTopics(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("list topics: %w", err)
+	}
+	var out []string
+	for _, t := range td.Names() {
+		if strings.HasSuffix(t, ".dlq") {
+			out = append(out, t)
+		}
+	}
+	slices.Sort(out)
+	return out, nil
+}
+
+type lagRow struct {
+	Group, State, Topic string
+	Partition           int32
+	Commit, End, Lag    int64
+	Err                 string
+}
+
+func (s *server) lag(ctx context.Context) ([]lagRow, error) {
+	cl, err := s.kafka()
+	if err != nil {
+		return nil, err
+	}
+	defer cl.Close()
+	adm := kadm.NewClient(cl)
+	listed, err := adm.ListGroups(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("list consumer groups: %w", err)
+	}
+	groups := listed.Groups()
+	if len(groups) == 0 {
+		return nil, nil
+	}
+	lags, err := adm.Lag(ctx, groups...)
+	if err != nil {
+		return nil, fmt.Errorf("consumer group lag: %w", err)
+	}
+	var out []lagRow
+	for _, g := range lags.Sorted() {
+		for _, l := range g.Lag.Sorted() {
+			row := lagRow{Group: g.Group, State: g.State, Topic: l.Topic, Partition: l.Partition,
+				Commit: l.Commit.At, End: l.End.Offset, Lag: l.Lag}
+			if l.Err != nil {
+				row.Err = l.Err.Error()
+			}
+			out = append(out, row)
+		}
+	}
+	return out, nil
+}
+
+// ---- Overview ----
+
+type classCount struct {
+	Topic  string
+	Counts map[dlq.Class]int
+	Total  int
+	Err    string
+}
+
+type overviewData struct {
+	Lag        []lagRow
+	LagErr     string
+	DeadLetter []classCount
+	DLQErr     string
+	Classes    []dlq.Class
+	Outbox     outbox.Status
+	OutboxErr  string
+	Inbox      []groupCount
+	InboxErr   string
+	Breakers   map[outbound.BreakerState]int
+	Paused     int
+	HooksErr   string
+}
+
+var classes = []dlq.Class{dlq.ClassUndecodable, dlq.ClassPermanent, dlq.ClassMaxAttempts, dlq.ClassPanic, dlq.ClassOversized, dlq.ClassCrashLoop}
+
+func errText(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string, error) {
+	v.Title, v.Nav = "Overview", "overview"
+	d := overviewData{Classes: classes, Breakers: map[outbound.BreakerState]int{}}
+	v.Data = &d
+	var err error
+	d.Lag, err = s.lag(ctx)
+	d.LagErr = errText(err)
+	topics, err := s.dlqTopics(ctx)
+	d.DLQErr = errText(err)
+	for _, t := range topics {
+		cc := classCount{Topic: t, Counts: map[dlq.Class]int{}}
+		entries, err := dlq.List(ctx, s.cfg.KafkaOpts, t, dlq.Filter{})
+		cc.Err = errText(err)
+		for _, e := range entries {
+			cc.Total++
+			if e.Info != nil {
+				cc.Counts[e.Info.Class]++
+			}
+		}
+		d.DeadLetter = append(d.DeadLetter, cc)
+	}
+	d.Outbox, err = s.outbox.Status(ctx, s.cfg.Pool)
+	d.OutboxErr = errText(err)
+	d.Inbox, err = s.inboxCounts(ctx)
+	d.InboxErr = errText(err)
+	ovs, err := s.hooks.Overviews(ctx, s.cfg.Pool)
+	d.HooksErr = errText(err)
+	for _, o := range ovs {
+		d.Breakers[o.Breaker.State]++
+		if o.Subscription.Paused() {
+			d.Paused++
+		}
+	}
+	return "overview.html", nil
+}
+
+// ---- Dead letters ----
+
+// dlqQuery is the dead-letter filter as the page shows it.
+type dlqQuery struct {
+	Topic, Source, Group, Class, Text, Key, MessageID, Since, Until string
+}
+
+func readDLQQuery(f url.Values) dlqQuery {
+	return dlqQuery{Topic: f.Get("topic"), Source: f.Get("source"), Group: f.Get("group"), Class: f.Get("class"),
+		Text: f.Get("text"), Key: f.Get("key"), MessageID: f.Get("message_id"), Since: f.Get("since"), Until: f.Get("until")}
+}
+
+// Values returns the query as URL values, empty fields left out.
+func (q dlqQuery) Values() url.Values {
+	v := url.Values{}
+	for k, s := range map[string]string{"topic": q.Topic, "source": q.Source, "group": q.Group, "class": q.Class,
+		"text": q.Text, "key": q.Key, "message_id": q.MessageID, "since": q.Since, "until": q.Until} {
+		if s != "" {
+			v.Set(k, s)
+		}
+	}
+	return v
+}
+
+// Selective reports whether any field but the topic narrows the selection.
+func (q dlqQuery) Selective() bool {
+	return q != dlqQuery{Topic: q.Topic}
+}
+
+func parseTime(field, v string) (time.Time, error) {
+	if v == "" {
+		return time.Time{}, nil
+	}
+	for _, layout := range []string{time.RFC3339Nano, "2006-01-02T15:04", "2006-01-02"} {
+		if t, err := time.Parse(layout, v); err == nil {
+			return t, nil
+		}
+	}
+	if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+		return time.Now().Add(-d), nil
+	}
+	return time.Time{}, badRequest{fmt.Sprintf("%s: %q is neither a time (RFC 3339, or 2006-01-02T15:04 UTC) nor a duration ago such as 24h", field, v)}
+}
+
+// list reads the entries that q selects, in partition and offset order.
+func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Entry, error) {
+	if q.Topic == "" {
+		return nil, badRequest{"topic: choose a dead-letter topic"}
+	}
+	f := dlq.Filter{SourceTopic: q.Source, Group: q.Group, Class: dlq.Class(q.Class), MessageID: q.MessageID, Refs: refs}
+	if q.Class != "" && !f.Class.Valid() {
+		return nil, badRequest{fmt.Sprintf("class: unknown class %q", q.Class)}
+	}
+	var err error
+	if f.Since, err = parseTime("since", q.Since); err != nil {
+		return nil, err
+	}
+	if f.Until, err = parseTime("until", q.Until); err != nil {
+		return nil, err
+	}
+	entries, err := dlq.List(ctx, s.cfg.KafkaOpts, q.Topic, f)
+	if err != nil {
+		return nil, err
+	}
+	if q.Text == "" && q.Key == "" {
+		return entries, nil
+	}
+	out := entries[:0]
+	for _, e := range entries {
+		if q.Key != "" && string(e.Record.Key) != q.Key {
+			continue
+		}
+		if q.Text != "" && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), strings.ToLower(q.Text))) {
+			continue
+		}
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+type dlqData struct {
+	Topics  []string
+	Classes []dlq.Class
+	Q       dlqQuery
+	Entries []dlq.Entry
+	Shown   int
+	Query   string // the filter as a URL query
+}
+
+// maxListed bounds the rows a page lists; counts and actions cover all.
+const maxListed = 500
+
+func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (string, error) {
+	v.Title, v.Nav = "Dead letters", "dlq"
+	d := &dlqData{Classes: classes, Q: readDLQQuery(r.URL.Query())}
+	v.Data = d
+	var err error
+	if d.Topics, err = s.dlqTopics(ctx); err != nil {
+		return "dlq.html", err
+	}
+	if d.Q.Topic == "" && len(d.Topics) > 0 {
+		d.Q.Topic = d.Topics[0]
+	}
+	d.Query = d.Q.Values().Encode()
+	if d.Q.Topic == "" {
+		return "dlq.html", nil
+	}
+	d.Entries, err = s.list(ctx, d.Q, nil)
+	d.Shown = min(len(d.Entries), maxListed)
+	return "dlq.html", err
+}
+
+type recordData struct {
+	Topic   string
+	Entry   *dlq.Entry
+	Headers []header
+	Value   string
+	Format  string // json, text or hex
+	Key     string
+}
+
+type header struct{ Key, Value string }
+
+// sensitive reports whether a header's name suggests a credential.
+func sensitive(name string) bool {
+	n := strings.ToLower(name)
+	for _, w := range []string{"authorization", "cookie", "token", "secret", "password", "passwd", "api-key", "apikey", "api_key", "signature", "credential", "session"} {
+		if strings.Contains(n, w) {
+			return true
+		}
+	}
+	return false
+}
+
+func printable(b []byte) string {
+	if utf8.Valid(b) {
+		return string(b)
+	}
+	return "0x" + hex.EncodeToString(b)
+}
+
+func (s *server) record(ctx context.Context, r *http.Request, v *view) (string, error) {
+	v.Title, v.Nav = "Dead letter", "dlq"
+	topic, ref := r.URL.Query().Get("topic"), r.URL.Query().Get("ref")
+	d := &recordData{Topic: topic}
+	v.Data = d
+	if ref == "" {
+		return "record.html", badRequest{"ref: name a record as partition/offset"}
+	}
+	entries, err := s.list(ctx, dlqQuery{Topic: topic}, []string{ref})
+	if err != nil {
+		return "record.html", err
+	}
+	if len(entries) == 0 {
+		return "record.html", badRequest{fmt.Sprintf("no record %s in %s", ref, topic)}
+	}
+	e := &entries[0]
+	d.Entry, d.Key = e, printable(e.Record.Key)
+	for _, h := range e.Record.Headers {
+		val := printable(h.Value)
+		if sensitive(h.Key) {
+			val = "[redacted]"
+		}
+		d.Headers = append(d.Headers, header{h.Key, val})
+	}
+	var pretty bytes.Buffer
+	switch {
+	case json.Valid(e.Record.Value) && json.Indent(&pretty, e.Record.Value, "", "  ") == nil:
+		d.Value, d.Format = pretty.String(), "json"
+	case utf8.Valid(e.Record.Value):
+		d.Value, d.Format = string(e.Record.Value), "text"
+	default:
+		d.Value, d.Format = hex.Dump(e.Record.Value), "hex"
+	}
+	return "record.html", nil
+}
+
+type confirmData struct {
+	Q       dlqQuery
+	Query   string
+	Refs    []string // a selection, when given
+	Upto    string   // partition:offset of the last matching record, per partition
+	Results []dlq.Result
+	Count   int // records that would be redriven
+	Skipped int
+}
+
+// upto encodes the last offset of each partition among entries.
+func upto(entries []dlq.Entry) string {
+	last := map[int32]int64{}
+	for _, e := range entries {
+		last[e.Record.Partition] = max(last[e.Record.Partition], e.Record.Offset)
+	}
+	parts := make([]string, 0, len(last))
+	for p, o := range last {
+		parts = append(parts, fmt.Sprintf("%d:%d", p, o))
+	}
+	slices.Sort(parts)
+	return strings.Join(parts, ",")
+}
+
+func parseUpto(s string) (map[int32]int64, error) {
+	out := map[int32]int64{}
+	if s == "" {
+		return out, nil
+	}
+	for _, part := range strings.Split(s, ",") {
+		ps, os, ok := strings.Cut(part, ":")
+		p, err1 := strconv.ParseInt(ps, 10, 32)
+		o, err2 := strconv.ParseInt(os, 10, 64)
+		if !ok || err1 != nil || err2 != nil {
+			return nil, badRequest{fmt.Sprintf("upto: %q is not partition:offset", part)}
+		}
+		out[int32(p)] = o
+	}
+	return out, nil
+}
+
+func (s *server) dryRun(ctx context.Context, entries []dlq.Entry) ([]dlq.Result, error) {
+	return dlq.Redrive(ctx, nil, entries, dlq.RedriveOptions{DryRun: true, Inbox: s.inbox, DB: s.cfg.Pool, IDHeader: s.cfg.IDHeader})
+}
+
+// dlqConfirm is the dry run of a redrive: what the filter (or the
+// selection) matches now, and the confirmation form.
+func (s *server) dlqConfirm(ctx context.Context, r *http.Request, v *view) (string, error) {
+	v.Title, v.Nav = "Confirm redrive", "dlq"
+	q := r.URL.Query()
+	d := &confirmData{Q: readDLQQuery(q), Refs: q["ref"]}
+	if q.Get("all") == "1" { // "all matching" wins over boxes left checked
+		d.Refs = nil
+	}
+	d.Query = d.Q.Values().Encode()
+	v.Data = d
+	if len(d.Refs) == 0 && q.Get("all") != "1" {
+		return "confirm.html", badRequest{"select records, or redrive all that match the filter"}
+	}
+	entries, err := s.list(ctx, d.Q, d.Refs)
+	if err != nil {
+		return "confirm.html", err
+	}
+	d.Upto = upto(entries)
+	if d.Results, err = s.dryRun(ctx, entries); err != nil {
+		return "confirm.html", err
+	}
+	for _, res := range d.Results {
+		if res.Action == dlq.WouldRedrive {
+			d.Count++
+		} else {
+			d.Skipped++
+		}
+	}
+	return "confirm.html", nil
+}
+
+// dlqRedrive redrives what the confirmed form names: the filter, limited to
+// the records up to the dry run's offsets (and to the selection, if any).
+func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.Values, string, []any, error) {
+	f := r.PostForm
+	q := readDLQQuery(f)
+	refs := f["ref"]
+	if len(refs) == 0 && f.Get("all") != "1" {
+		return "", nil, "", nil, badRequest{"select records, or confirm a redrive of all that match the filter"}
+	}
+	limit, err := parseUpto(f.Get("upto"))
+	if err != nil {
+		return "", nil, "", nil, err
+	}
+	entries, err := s.list(ctx, q, refs)
+	if err != nil {
+		return "", nil, "", nil, err
+	}
+	if f.Has("upto") {
+		kept := entries[:0]
+		for _, e := range entries {
+			if last, ok := limit[e.Record.Partition]; ok && e.Record.Offset <= last {
+				kept = append(kept, e)
+			}
+		}
+		entries = kept
+	}
+	args := []any{"topic", q.Topic, "filter", q.Values().Encode(), "refs", refs, "upto", f.Get("upto")}
+	cl, err := s.kafka()
+	if err != nil {
+		return "", nil, "", args, err
+	}
+	defer cl.Close()
+	results, err := dlq.Redrive(ctx, cl, entries, dlq.RedriveOptions{Inbox: s.inbox, DB: s.cfg.Pool, IDHeader: s.cfg.IDHeader})
+	n := 0
+	var redriven []string
+	for _, res := range results {
+		if res.Action == dlq.Redriven {
+			n++
+			redriven = append(redriven, res.Entry.Ref())
+		}
+	}
+	args = append(args, "redriven", redriven)
+	if err != nil {
+		return "", nil, "", args, fmt.Errorf("redrove %d, then: %w", n, err)
+	}
+	done := fmt.Sprintf("redrove %d of %d selected dead letters (%d skipped: already processed, stubs or invalid)", n, len(results), len(results)-n)
+	return "dlq", q.Values(), done, args, nil
+}
+
+// ---- Outbox ----
+
+type shardRow struct {
+	Topic   string
+	Shard   int32
+	Pending int64
+	Oldest  time.Duration
+}
+
+type outboxData struct {
+	Status    outbox.Status
+	ByTopic   []shardRow
+	Parked    []outbox.ParkedRow
+	MaxParked int
+}
+
+func (s *server) outboxPage(ctx context.Context, r *http.Request, v *view) (string, error) {
+	v.Title, v.Nav = "Outbox", "outbox"
+	d := &outboxData{MaxParked: maxListed}
+	v.Data = d
+	var err error
+	if d.Status, err = s.outbox.Status(ctx, s.cfg.Pool); err != nil {
+		return "outbox.html", err
+	}
+	rows, err := s.cfg.Pool.Query(ctx, `SELECT topic, shard, count(*), now() - min(created_at) FROM `+s.tables.outbox+`
+		WHERE sent_at IS NULL AND parked_at IS NULL GROUP BY topic, shard ORDER BY topic, shard LIMIT 1000`)
+	if err != nil {
+		return "outbox.html", fmt.Errorf("outbox pending by topic and shard: %w", err)
+	}
+	if d.ByTopic, err = pgx.CollectRows(rows, pgx.RowToStructByPos[shardRow]); err != nil {
+		return "outbox.html", fmt.Errorf("outbox pending by topic and shard: %w", err)
+	}
+	d.Parked, err = s.outbox.Parked(ctx, s.cfg.Pool, maxListed)
+	return "outbox.html", err
+}
+
+func formID(f url.Values) (int64, error) {
+	id, err := strconv.ParseInt(f.Get("id"), 10, 64)
+	if err != nil || id <= 0 {
+		return 0, badRequest{fmt.Sprintf("id: %q is not an outbox row id", f.Get("id"))}
+	}
+	return id, nil
+}
+
+func (s *server) outboxRetry(ctx context.Context, r *http.Request) (string, url.Values, string, []any, error) {
+	id, err := formID(r.PostForm)
+	if err != nil {
+		return "", nil, "", nil, err
+	}
+	if err := s.outbox.Retry(ctx, s.cfg.Pool, id); err != nil {
+		return "", nil, "", []any{"id", id}, err
+	}
+	return "outbox", nil, fmt.Sprintf("outbox row %d un-parked: a relay publishes it again", id), []any{"id", id}, nil
+}
+
+func (s *server) outboxDiscard(ctx context.Context, r *http.Request) (string, url.Values, string, []any, error) {
+	id, err := formID(r.PostForm)
+	if err != nil {
+		return "", nil, "", nil, err
+	}
+	if err := s.outbox.Discard(ctx, s.cfg.Pool, id); err != nil {
+		return "", nil, "", []any{"id", id}, err
+	}
+	return "outbox", nil, fmt.Sprintf("outbox row %d discarded", id), []any{"id", id}, nil
+}
+
+// ---- Inbox ----
+
+type groupCount struct {
+	Group                          string
+	Processed, DeadLettered, Total int64
+}
+
+func (s *server) inboxCounts(ctx context.Context) ([]groupCount, error) {
+	rows, err := s.cfg.Pool.Query(ctx, `SELECT consumer_group, count(*) FILTER (WHERE outcome = 'processed'),
+			count(*) FILTER (WHERE outcome = 'dead_lettered'), count(*)
+		FROM `+s.tables.inbox+` GROUP BY consumer_group ORDER BY consumer_group`)
+	if err != nil {
+		return nil, fmt.Errorf("count inbox rows: %w", err)
+	}
+	return pgx.CollectRows(rows, pgx.RowToStructByPos[groupCount])
+}
+
+type inboxRow struct {
+	Group, MessageID, Outcome string
+	At                        time.Time
+	Topic                     string
+	Partition                 int32
+	Offset                    int64
+}
+
+type inboxData struct {
+	Counts    []groupCount
+	MessageID string
+	Rows      []inboxRow
+	Looked    bool
+}
+
+func (s *server) inboxPage(ctx context.Context, r *http.Request, v *view) (string, error) {
+	v.Title, v.Nav = "Inbox", "inbox"
+	d := &inboxData{MessageID: strings.TrimSpace(r.URL.Query().Get("message_id"))}
+	v.Data = d
+	var err error
+	if d.Counts, err = s.inboxCounts(ctx); err != nil {
+		return "inbox.html", err
+	}
+	if d.MessageID == "" {
+		return "inbox.html", nil
+	}
+	d.Looked = true
+	rows, err := s.cfg.Pool.Query(ctx, `SELECT consumer_group, message_id, outcome, processed_at, topic, partition, "offset"
+		FROM `+s.tables.inbox+` WHERE message_id = $1 ORDER BY consumer_group`, d.MessageID)
+	if err != nil {
+		return "inbox.html", fmt.Errorf("look up %q in the inbox: %w", d.MessageID, err)
+	}
+	d.Rows, err = pgx.CollectRows(rows, pgx.RowToStructByPos[inboxRow])
+	return "inbox.html", err
+}
+
+// ---- Webhooks ----
+
+type deliveryRow struct {
+	SubscriptionID uuid.UUID
+	WebhookID      string
+	EventType      string
+	Status         string
+	Attempts       int32
+	LastStatus     *int32
+	LastError      string
+	UpdatedAt      time.Time
+}
+
+type webhooksData struct {
+	Subs     []outbound.Overview
+	Failures []deliveryRow // recent failed attempts, newest first
+	Dead     []deliveryRow
+}
+
+func (s *server) webhooksPage(ctx context.Context, r *http.Request, v *view) (string, error) {
+	v.Title, v.Nav = "Webhooks out", "webhooks"
+	d := &webhooksData{}
+	v.Data = d
+	var err error
+	if d.Subs, err = s.hooks.Overviews(ctx, s.cfg.Pool); err != nil {
+		return "webhooks.html", err
+	}
+	// Payloads are never read: they may carry customer data.
+	const cols = `subscription_id, webhook_id, event_type, status, attempts, last_status, coalesce(last_error, ''), updated_at`
+	if d.Failures, err = s.deliveries(ctx, `SELECT `+cols+` FROM `+s.tables.deliveries+`
+		WHERE status <> 'delivered' AND last_error IS NOT NULL AND last_error <> '' ORDER BY updated_at DESC LIMIT 50`); err != nil {
+		return "webhooks.html", err
+	}
+	d.Dead, err = s.deliveries(ctx, `SELECT `+cols+` FROM `+s.tables.deliveries+`
+		WHERE status = 'dead' ORDER BY dead_at DESC LIMIT `+strconv.Itoa(maxListed))
+	return "webhooks.html", err
+}
+
+func (s *server) deliveries(ctx context.Context, sql string) ([]deliveryRow, error) {
+	rows, err := s.cfg.Pool.Query(ctx, sql)
+	if err != nil {
+		return nil, fmt.Errorf("webhook deliveries: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[deliveryRow])
+	if err != nil {
+		return nil, fmt.Errorf("webhook deliveries: %w", err)
+	}
+	return out, nil
+}
+
+func formSubscription(f url.Values) (uuid.UUID, error) {
+	id, err := uuid.Parse(f.Get("subscription"))
+	if err != nil {
+		return uuid.Nil, badRequest{fmt.Sprintf("subscription: %q is not a subscription id", f.Get("subscription"))}
+	}
+	return id, nil
+}
+
+func (s *server) webhookPause(ctx context.Context, r *http.Request) (string, url.Values, string, []any, error) {
+	id, err := formSubscription(r.PostForm)
+	if err != nil {
+		return "", nil, "", nil, err
+	}
+	reason := "paused in the console by " + Identity(r.Context())
+	if err := s.hooks.PauseSubscription(ctx, s.cfg.Pool, id, reason); err != nil {
+		return "", nil, "", []any{"subscription", id}, err
+	}
+	return "webhooks", nil, fmt.Sprintf("subscription %s paused", id), []any{"subscription", id}, nil
+}
+
+func (s *server) webhookResume(ctx context.Context, r *http.Request) (string, url.Values, string, []any, error) {
+	id, err := formSubscription(r.PostForm)
+	if err != nil {
+		return "", nil, "", nil, err
+	}
+	if err := s.hooks.ResumeSubscription(ctx, s.cfg.Pool, id); err != nil {
+		return "", nil, "", []any{"subscription", id}, err
+	}
+	return "webhooks", nil, fmt.Sprintf("subscription %s resumed (breaker reset)", id), []any{"subscription", id}, nil
+}
+
+func (s *server) webhookRedrive(ctx context.Context, r *http.Request) (string, url.Values, string, []any, error) {
+	id, err := formSubscription(r.PostForm)
+	if err != nil {
+		return "", nil, "", nil, err
+	}
+	ds, err := s.hooks.Redrive(ctx, s.cfg.Pool, outbound.RedriveFilter{SubscriptionID: id})
+	if err != nil {
+		return "", nil, "", []any{"subscription", id}, err
+	}
+	ids := make([]string, len(ds))
+	for i, d := range ds {
+		ids[i] = d.WebhookID
+	}
+	return "webhooks", nil, fmt.Sprintf("%d dead deliveries of %s redriven", len(ds), id), []any{"subscription", id, "webhook_ids", ids}, nil
+}
