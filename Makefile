@@ -13,7 +13,7 @@ FUZZTIME ?= 30s
 # environment.
 PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/... ./oncelytest/...
 
-.PHONY: check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency lint vet fmt-check
+.PHONY: test-console-browser console-screenshots check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -114,6 +114,18 @@ vet:
 	$(GO) vet $(PKGS)
 	GOWORK=off $(GO) vet ./...
 	cd bench && $(GO) vet ./...
+
+## test-console-browser: the operator console in a real headless Chromium (Debian's
+## chromium, installed by scripts/install-chromium.sh if missing): filter, redrive,
+## retry and pause through the pages, effects checked in Postgres and Kafka
+test-console-browser:
+	scripts/install-chromium.sh
+	ONCELY_BROWSER_TEST=1 $(GO) test -race -count=1 -timeout 5m -run '^TestConsoleInBrowser$$' ./integration_test/
+
+## console-screenshots: the same test, saving a PNG of each page into docs/console/
+console-screenshots:
+	scripts/install-chromium.sh
+	ONCELY_BROWSER_TEST=1 ONCELY_CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(GO) test -count=1 -timeout 5m -run '^TestConsoleInBrowser$$' ./integration_test/
 
 ## tidy-check: every module's go.mod and go.sum are tidy on their own (outside
 ## the workspace, as go mod tidy sees them)

@@ -1,0 +1,176 @@
+package integration_test
+
+import (
+	"context"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/cdproto/network"
+	"github.com/chromedp/chromedp"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/internal/testenv"
+)
+
+// chromiumPath finds Debian's chromium. The browser test is skipped without
+// it unless ONCELY_BROWSER_TEST=1 (scripts/install-chromium.sh installs it).
+func chromiumPath(t *testing.T) string {
+	t.Helper()
+	for _, p := range []string{os.Getenv("CHROMIUM"), "/usr/bin/chromium", "/usr/bin/chromium-browser"} {
+		if p != "" {
+			if _, err := exec.LookPath(p); err == nil {
+				return p
+			}
+		}
+	}
+	if os.Getenv("ONCELY_BROWSER_TEST") == "1" {
+		t.Fatal("ONCELY_BROWSER_TEST=1 but no chromium: run scripts/install-chromium.sh")
+	}
+	t.Skip("no chromium (scripts/install-chromium.sh installs it; ONCELY_BROWSER_TEST=1 makes its absence a failure)")
+	return ""
+}
+
+// The console in a real headless Chromium: an operator filters the dead
+// letters, redrives every match through the dry run and its confirmation,
+// retries the parked outbox row and pauses the failing webhook endpoint by
+// clicking through the pages; the effects are checked in Kafka and
+// Postgres. With ONCELY_CONSOLE_SCREENSHOTS=dir each page is saved there as
+// a PNG (make console-screenshots writes docs/console/).
+func TestConsoleInBrowser(t *testing.T) {
+	chromium := chromiumPath(t)
+	env := seedConsole(t)
+	shots := os.Getenv("ONCELY_CONSOLE_SCREENSHOTS")
+
+	// A fresh profile; chromium's helper processes may still write to it
+	// for a moment after the browser exits, so it is removed best effort
+	// rather than by t.TempDir's strict cleanup.
+	profile, err := os.MkdirTemp("", "oncely-chromium-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for i := 0; i < 50 && os.RemoveAll(profile) != nil; i++ {
+			time.Sleep(100 * time.Millisecond) // a helper process still writing
+		}
+	})
+	opts := []chromedp.ExecAllocatorOption{
+		chromedp.ExecPath(chromium),
+		chromedp.Headless, chromedp.NoSandbox, chromedp.DisableGPU, chromedp.NoFirstRun, chromedp.NoDefaultBrowserCheck,
+		chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true),
+		chromedp.Flag("disable-dev-shm-usage", true),
+		chromedp.UserDataDir(profile),
+		chromedp.WindowSize(1280, 860),
+	}
+	actx, cancelA := chromedp.NewExecAllocator(context.Background(), opts...)
+	defer cancelA()
+	bctx, cancelB := chromedp.NewContext(actx)
+	defer cancelB()
+	ctx, cancel := context.WithTimeout(bctx, 2*time.Minute)
+	defer cancel()
+
+	run := func(what string, actions ...chromedp.Action) {
+		t.Helper()
+		if err := chromedp.Run(ctx, actions...); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+	shot := func(name string) chromedp.Action {
+		return chromedp.ActionFunc(func(ctx context.Context) error {
+			if shots == "" {
+				return nil
+			}
+			var png []byte
+			if err := chromedp.CaptureScreenshot(&png).Do(ctx); err != nil {
+				return err
+			}
+			return os.WriteFile(filepath.Join(shots, name+".png"), png, 0o644)
+		})
+	}
+	var text string
+	// The test's Auth hook names the operator from X-User.
+	run("start", network.Enable(), network.SetExtraHTTPHeaders(network.Headers{"X-User": "browser-operator"}))
+
+	run("overview", chromedp.Navigate(env.base), chromedp.WaitVisible("h1"), chromedp.Text("main", &text), shot("overview"))
+	if !strings.Contains(text, env.dlqTopic) || !strings.Contains(text, env.group) {
+		t.Errorf("overview shows no dead-letter topic or group:\n%s", text)
+	}
+
+	// Filter: permanent failures whose error mentions schema v1.
+	run("filter",
+		chromedp.Navigate(env.base+"dlq"), chromedp.WaitVisible(`form.filter`),
+		chromedp.SetValue(`select[name="class"]`, "permanent"),
+		chromedp.SendKeys(`input[name="text"]`, "schema v1"),
+		chromedp.Click(`form.filter button[type="submit"]`),
+		chromedp.WaitVisible(`//p[contains(., "3 dead letters match")]`),
+		shot("dead-letters"))
+	run("dry run",
+		chromedp.Click(`button[name="all"]`),
+		chromedp.WaitVisible(`#dry-run`), chromedp.Text(`#dry-run`, &text), shot("redrive-confirm"))
+	if !strings.Contains(text, "3 would be redriven") {
+		t.Fatalf("dry run: %q", text)
+	}
+	run("confirm",
+		chromedp.Click(`button.danger`),
+		chromedp.WaitVisible(`p.done`), chromedp.Text(`p.done`, &text))
+	if !strings.Contains(text, "redrove 3 of 3") {
+		t.Fatalf("after the confirmation: %q", text)
+	}
+	if got := redrivenIDs(t, env); !slices.Equal(got, []string{"a", "c", "e"}) {
+		t.Fatalf("redriven to Kafka: %v, want [a c e] (b and d are outside the filter)", got)
+	}
+	_, stop := env.runConsumer(func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, m.ID)
+		return err
+	})
+	testenv.Eventually(t, time.Minute, "the three redriven records processed", func() bool { return len(env.effects()) == 3 })
+	stop()
+	if got := env.effects(); !slices.Equal(got, []string{"a", "c", "e"}) {
+		t.Fatalf("effects after the redrive: %v, want [a c e] once each", got)
+	}
+
+	run("record", chromedp.Navigate(env.base+"record?"+url.Values{"topic": {env.dlqTopic}, "ref": {"0/0"}}.Encode()),
+		chromedp.WaitVisible(`pre.value`), chromedp.Text(`pre.value`, &text), shot("dead-letter-record"))
+	if !strings.Contains(text, `"amount": 10`) {
+		t.Errorf("record value not pretty JSON: %q", text)
+	}
+	run("inbox", chromedp.Navigate(env.base+"inbox?message_id=a"), chromedp.WaitVisible(`#lookup`),
+		chromedp.Text(`#lookup`, &text), shot("inbox"))
+	if !strings.Contains(text, "processed") {
+		t.Errorf("inbox lookup of a after its redrive: %q", text)
+	}
+
+	// Retry the parked outbox row.
+	id := strconv.FormatInt(env.parkedID, 10)
+	run("outbox", chromedp.Navigate(env.base+"outbox"), chromedp.WaitVisible(`#retry-`+id), shot("outbox"),
+		chromedp.Click(`#retry-`+id), chromedp.WaitVisible(`p.done`), chromedp.Text(`p.done`, &text))
+	if !strings.Contains(text, "un-parked") {
+		t.Errorf("after retry: %q", text)
+	}
+	var parked bool
+	if err := env.db.Pool.QueryRow(context.Background(), `SELECT parked_at IS NOT NULL FROM outbox WHERE id = $1`, env.parkedID).Scan(&parked); err != nil || parked {
+		t.Errorf("outbox row %s still parked (%v)", id, err)
+	}
+
+	// Pause the failing endpoint.
+	run("webhooks", chromedp.Navigate(env.base+"webhooks"), chromedp.WaitVisible(`#subs`), shot("webhooks"),
+		chromedp.Click(`form[action="webhooks-pause"] button`), chromedp.WaitVisible(`p.done`), chromedp.Text(`#subs`, &text))
+	if !strings.Contains(text, "paused in the console by browser-operator") {
+		t.Errorf("webhooks after pause: %q", text)
+	}
+	if s, err := env.store.GetSubscription(context.Background(), env.db.Pool, env.sub.ID); err != nil || !s.Paused() {
+		t.Errorf("subscription not paused in Postgres: %v", err)
+	}
+	if logs := env.logs.String(); strings.Count(logs, "who=browser-operator") != 3 {
+		t.Errorf("want 3 actions logged with the operator's name:\n%s", logs)
+	}
+}
