@@ -85,20 +85,7 @@ func TestCLIDLQCommands(t *testing.T) {
 	}
 	group := testenv.UniqueName("g")
 	runConsumer := func(h consumer.Handler) (*consumer.Consumer, func()) {
-		c, err := consumer.New(consumer.Config{Brokers: k.Brokers, Topics: []string{topic}, Group: group, Pool: db.Pool,
-			Schema: db.Schema, Handler: h, MaxAttempts: 2, RetryBaseDelay: time.Millisecond, RetryMaxDelay: 5 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		cctx, cancel := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- c.Run(cctx) }()
-		return c, func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Run: %v", err)
-			}
-		}
+		return startTwoAttemptConsumer(t, k, db, topic, group, h)
 	}
 	c1, stop1 := runConsumer(func(_ context.Context, _ pgx.Tx, m *consumer.Message) error {
 		if string(m.Value) == "bad" {

@@ -85,20 +85,7 @@ func seedConsole(t *testing.T) *consoleEnv {
 		}
 	}
 	env.runConsumer = func(h consumer.Handler) (*consumer.Consumer, func()) {
-		c, err := consumer.New(consumer.Config{Brokers: env.k.Brokers, Topics: []string{env.topic}, Group: env.group, Pool: env.db.Pool,
-			Schema: env.db.Schema, Handler: h, MaxAttempts: 2, RetryBaseDelay: time.Millisecond, RetryMaxDelay: 5 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		cctx, cancel := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- c.Run(cctx) }()
-		return c, func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("Run: %v", err)
-			}
-		}
+		return startTwoAttemptConsumer(t, env.k, env.db, env.topic, env.group, h)
 	}
 	c1, stop1 := env.runConsumer(func(_ context.Context, _ pgx.Tx, m *consumer.Message) error {
 		if string(m.Value) == "boom" {
@@ -183,6 +170,26 @@ func seedConsole(t *testing.T) *consoleEnv {
 	env.srv = env.serve(t, true)
 	env.base = env.srv.URL + "/ops/"
 	return env
+}
+
+// startTwoAttemptConsumer runs a consumer of topic that dead-letters a
+// record after two attempts, and returns it with its stop function.
+func startTwoAttemptConsumer(t *testing.T, k *testenv.Kafka, db *testenv.DB, topic, group string, h consumer.Handler) (*consumer.Consumer, func()) {
+	t.Helper()
+	c, err := consumer.New(consumer.Config{Brokers: k.Brokers, Topics: []string{topic}, Group: group, Pool: db.Pool,
+		Schema: db.Schema, Handler: h, MaxAttempts: 2, RetryBaseDelay: time.Millisecond, RetryMaxDelay: 5 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(cctx) }()
+	return c, func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}
 }
 
 // serve mounts the console under /ops/ with an Auth hook that names the
