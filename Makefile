@@ -13,7 +13,7 @@ FUZZTIME ?= 30s
 # environment.
 PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/... ./oncelytest/...
 
-.PHONY: test-console-browser console-screenshots check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency lint vet fmt-check
+.PHONY: test-console-browser console-screenshots bench-console check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -121,6 +121,11 @@ vet:
 test-console-browser:
 	scripts/install-chromium.sh
 	ONCELY_BROWSER_TEST=1 $(GO) test -race -count=1 -timeout 5m -run '^TestConsoleInBrowser$$' ./integration_test/
+
+## bench-console: every console page rendered on 1,000,000 inbox rows, 100,000 outbox rows and
+## 100,000 dead letters, beside the same queries' raw time (ONCELY_CONSOLE_BENCH_SCALE scales them)
+bench-console:
+	$(GO) test -run '^$$' -bench BenchmarkConsolePages -benchtime 3x -count 1 -timeout 20m ./integration_test/
 
 ## console-screenshots: the same test, saving a PNG of each page into docs/console/
 console-screenshots:

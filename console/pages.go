@@ -611,8 +611,16 @@ func (s *server) inboxPage(ctx context.Context, r *http.Request, v *view) (strin
 		return "inbox.html", nil
 	}
 	d.Looked = true
-	rows, err := s.cfg.Pool.Query(ctx, `SELECT consumer_group, message_id, outcome, processed_at, topic, partition, "offset"
-		FROM `+s.tables.inbox+` WHERE message_id = $1 ORDER BY consumer_group`, d.MessageID)
+	// The primary key is (consumer_group, message_id): walk the groups
+	// through it (a skip scan) and look the id up in each, rather than scan
+	// every row for the id.
+	rows, err := s.cfg.Pool.Query(ctx, `WITH RECURSIVE groups AS (
+			SELECT min(consumer_group) AS g FROM `+s.tables.inbox+`
+			UNION ALL
+			SELECT (SELECT min(consumer_group) FROM `+s.tables.inbox+` WHERE consumer_group > groups.g) FROM groups WHERE g IS NOT NULL)
+		SELECT i.consumer_group, i.message_id, i.outcome, i.processed_at, i.topic, i.partition, i."offset"
+		FROM groups JOIN `+s.tables.inbox+` i ON i.consumer_group = groups.g AND i.message_id = $1
+		ORDER BY i.consumer_group`, d.MessageID)
 	if err != nil {
 		return "inbox.html", fmt.Errorf("look up %q in the inbox: %w", d.MessageID, err)
 	}
