@@ -59,7 +59,7 @@ var funcs = template.FuncMap{
 
 func (s *server) kafka() (*kgo.Client, error) {
 	if len(s.cfg.KafkaOpts) == 0 {
-		return nil, errors.New("Kafka is not configured (no brokers)")
+		return nil, errors.New("no Kafka configured (Config.KafkaOpts has no brokers)")
 	}
 	return kgo.NewClient(s.cfg.KafkaOpts...)
 }

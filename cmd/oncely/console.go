@@ -77,7 +77,8 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	if err != nil {
 		return usageErr("%v", err)
 	}
-	ln, err := net.Listen("tcp", *listen)
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", *listen)
 	if err != nil {
 		return err
 	}

@@ -62,7 +62,8 @@ func TestConsoleCommandServes(t *testing.T) {
 	c := &http.Client{Jar: jar}
 	get := func(u string) (int, string) {
 		t.Helper()
-		resp, err := c.Get(u)
+		req, _ := http.NewRequestWithContext(context.Background(), http.MethodGet, u, nil)
+		resp, err := c.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -84,7 +85,9 @@ func TestConsoleCommandServes(t *testing.T) {
 	if code, _ := get(addr + "inbox"); code != http.StatusOK {
 		t.Errorf("with the token's cookie: %d", code)
 	}
-	resp, err := c.PostForm(addr+"outbox-retry", map[string][]string{"id": {"1"}})
+	req, _ := http.NewRequestWithContext(context.Background(), http.MethodPost, addr+"outbox-retry", strings.NewReader("id=1"))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	resp, err := c.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
