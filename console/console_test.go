@@ -1,6 +1,7 @@
 package console
 
 import (
+	"context"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -58,7 +59,7 @@ func TestBearerToken(t *testing.T) {
 		code   int
 	}{{"", 401}, {"Bearer wrong", 401}, {"Bearer 0123456789abcdef-token", 200}} {
 		rec := httptest.NewRecorder()
-		req := httptest.NewRequest(http.MethodGet, "/dlq", nil)
+		req := httptest.NewRequestWithContext(context.Background(), http.MethodGet, "/dlq", nil)
 		if c.header != "" {
 			req.Header.Set("Authorization", c.header)
 		}
@@ -70,7 +71,7 @@ func TestBearerToken(t *testing.T) {
 	// Signing in through the URL: a cookie, and a relative redirect that
 	// drops the token and keeps the other parameters.
 	rec := httptest.NewRecorder()
-	h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/dlq?topic=t.dlq&token=0123456789abcdef-token", nil))
+	h.ServeHTTP(rec, httptest.NewRequestWithContext(context.Background(), http.MethodGet, "/dlq?topic=t.dlq&token=0123456789abcdef-token", nil))
 	if rec.Code != http.StatusSeeOther || rec.Header().Get("Location") != "dlq?topic=t.dlq" || !strings.Contains(rec.Header().Get("Set-Cookie"), "HttpOnly") {
 		t.Errorf("sign-in: %d %v", rec.Code, rec.Header())
 	}

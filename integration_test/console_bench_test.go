@@ -117,7 +117,7 @@ func BenchmarkConsolePages(b *testing.B) {
 			for b.Loop() {
 				rec := httptest.NewRecorder()
 				t0 := time.Now()
-				h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, p.path, nil))
+				h.ServeHTTP(rec, httptest.NewRequestWithContext(context.Background(), http.MethodGet, p.path, nil))
 				pageTotal += time.Since(t0)
 				if rec.Code != http.StatusOK || strings.Contains(rec.Body.String(), `class="err"`) {
 					b.Fatalf("%s: %d %s", p.path, rec.Code, rec.Body.String())

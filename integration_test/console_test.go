@@ -254,7 +254,7 @@ func (o *operator) do(req *http.Request) (int, string, http.Header) {
 // get fetches a page and fails the test unless it is 200.
 func (o *operator) get(u string) string {
 	o.t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, u, nil)
+	req, _ := http.NewRequestWithContext(context.Background(), http.MethodGet, u, nil)
 	code, body, _ := o.do(req)
 	if code != http.StatusOK {
 		o.t.Fatalf("GET %s: %d %s", u, code, body)
@@ -264,7 +264,7 @@ func (o *operator) get(u string) string {
 
 func (o *operator) post(u string, form url.Values, origin string) (int, string, http.Header) {
 	o.t.Helper()
-	req, _ := http.NewRequest(http.MethodPost, u, strings.NewReader(form.Encode()))
+	req, _ := http.NewRequestWithContext(context.Background(), http.MethodPost, u, strings.NewReader(form.Encode()))
 	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
 	if origin != "" {
 		req.Header.Set("Origin", origin)
@@ -363,7 +363,7 @@ func TestConsolePagesShowStateAndNoSecret(t *testing.T) {
 	// The embedded assets are served under the prefix.
 	mustContain(t, "css", op.get(env.base+"static/console.css"), "prefers-color-scheme")
 	// The Auth hook guards every page.
-	req, _ := http.NewRequest(http.MethodGet, env.base, nil)
+	req, _ := http.NewRequestWithContext(context.Background(), http.MethodGet, env.base, nil)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
