@@ -1,6 +1,7 @@
 package console
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"crypto/rand"
@@ -232,16 +233,21 @@ func (s *server) page(f pageFunc) http.HandlerFunc {
 		v := &view{Actions: s.cfg.Actions, CSRF: csrfToken(w, r), Who: Identity(r.Context()), Done: r.URL.Query().Get("done")}
 		name, err := f(ctx, r, v)
 		if err != nil {
-			var be badRequest
-			if errors.As(err, &be) {
-				w.WriteHeader(http.StatusBadRequest)
-			}
 			v.Err = err.Error()
 		}
-		w.Header().Set("Content-Type", "text/html; charset=utf-8")
-		if err := s.tmpl.ExecuteTemplate(w, name, v); err != nil {
+		// Rendered whole before anything is sent: a template error is a 500,
+		// never a page cut short.
+		var buf bytes.Buffer
+		if err := s.tmpl.ExecuteTemplate(&buf, name, v); err != nil {
 			s.log.Error("console: render", "page", name, "err", err)
+			http.Error(w, "console: cannot render "+name+": "+err.Error(), http.StatusInternalServerError)
+			return
 		}
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		if be := (badRequest{}); errors.As(err, &be) {
+			w.WriteHeader(http.StatusBadRequest)
+		}
+		_, _ = buf.WriteTo(w)
 	}
 }
 

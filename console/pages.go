@@ -148,7 +148,7 @@ type overviewData struct {
 	OutboxErr  string
 	Inbox      []groupCount
 	InboxErr   string
-	Breakers   map[outbound.BreakerState]int
+	Breakers   map[string]int // by breaker state
 	Paused     int
 	HooksErr   string
 }
@@ -164,7 +164,7 @@ func errText(err error) string {
 
 func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string, error) {
 	v.Title, v.Nav = "Overview", "overview"
-	d := overviewData{Classes: classes, Breakers: map[outbound.BreakerState]int{}}
+	d := overviewData{Classes: classes, Breakers: map[string]int{}}
 	v.Data = &d
 	var err error
 	d.Lag, err = s.lag(ctx)
@@ -190,7 +190,7 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 	ovs, err := s.hooks.Overviews(ctx, s.cfg.Pool)
 	d.HooksErr = errText(err)
 	for _, o := range ovs {
-		d.Breakers[o.Breaker.State]++
+		d.Breakers[string(o.Breaker.State)]++
 		if o.Subscription.Paused() {
 			d.Paused++
 		}

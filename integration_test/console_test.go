@@ -314,7 +314,9 @@ func TestConsolePagesShowStateAndNoSecret(t *testing.T) {
 	op := newOperator(t, "alice")
 	pages := map[string]string{}
 	pages["overview"] = op.get(env.base)
-	mustContain(t, "overview", pages["overview"], env.group, env.topic, env.dlqTopic, ">permanent<", "alice", "actions enabled")
+	mustContain(t, "overview", pages["overview"], env.group, env.topic, env.dlqTopic, ">permanent<", "alice", "actions enabled",
+		`<th>breaker closed</th><th>open</th><th>half open</th><th>paused</th></tr>
+<tr><td class="n">1</td>`)
 	pages["dlq"] = op.get(env.base + "dlq")
 	mustContain(t, "dlq", pages["dlq"], "6 dead letters match", "rejected: schema v1", "flaky downstream", "max_attempts", "k-e")
 	pages["dlq permanent"] = op.get(env.base + "dlq?" + url.Values{"topic": {env.dlqTopic}, "class": {"permanent"}}.Encode())
@@ -351,6 +353,9 @@ func TestConsolePagesShowStateAndNoSecret(t *testing.T) {
 
 	secrets := append([]string{consoleURLPassword, consoleURLToken, consoleHeaderToken}, env.sub.Secrets...)
 	for name, body := range pages {
+		if !strings.HasSuffix(strings.TrimSpace(body), "</html>") {
+			t.Errorf("page %s is cut short:\n%s", name, body)
+		}
 		for _, s := range secrets {
 			if strings.Contains(body, s) {
 				t.Errorf("page %s shows the secret %q", name, s)
