@@ -546,25 +546,23 @@ func formID(f url.Values) (int64, error) {
 }
 
 func (s *server) outboxRetry(ctx context.Context, r *http.Request) (string, url.Values, string, []any, error) {
-	id, err := formID(r.PostForm)
-	if err != nil {
-		return "", nil, "", nil, err
-	}
-	if err := s.outbox.Retry(ctx, s.cfg.Pool, id); err != nil {
-		return "", nil, "", []any{"id", id}, err
-	}
-	return "outbox", nil, fmt.Sprintf("outbox row %d un-parked: a relay publishes it again", id), []any{"id", id}, nil
+	return s.outboxRow(ctx, r, s.outbox.Retry, "un-parked: a relay publishes it again")
 }
 
 func (s *server) outboxDiscard(ctx context.Context, r *http.Request) (string, url.Values, string, []any, error) {
+	return s.outboxRow(ctx, r, s.outbox.Discard, "discarded")
+}
+
+// outboxRow applies one of Outbox's parked-row calls to the form's row.
+func (s *server) outboxRow(ctx context.Context, r *http.Request, call func(context.Context, outbox.DBTX, int64) error, done string) (string, url.Values, string, []any, error) {
 	id, err := formID(r.PostForm)
 	if err != nil {
 		return "", nil, "", nil, err
 	}
-	if err := s.outbox.Discard(ctx, s.cfg.Pool, id); err != nil {
+	if err := call(ctx, s.cfg.Pool, id); err != nil {
 		return "", nil, "", []any{"id", id}, err
 	}
-	return "outbox", nil, fmt.Sprintf("outbox row %d discarded", id), []any{"id", id}, nil
+	return "outbox", nil, fmt.Sprintf("outbox row %d %s", id, done), []any{"id", id}, nil
 }
 
 // ---- Inbox ----
