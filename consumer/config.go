@@ -189,7 +189,7 @@ type Config struct {
 	// At least 1s (franz-go's minimum record timeout). Default 10s.
 	DeadLetterTimeout time.Duration
 	// CrashLoopLimit is how many times a record may kill the process (a
-	// handler calling os.Exit, the process running out of memory, a panic
+	// handler or KeyFunc calling os.Exit, the process running out of memory, a panic
 	// in a goroutine the handler started: nothing Run can recover from)
 	// before it is dead-lettered with class crash_loop. Such a record has no
 	// error to count within one process, and without a limit would kill
@@ -200,11 +200,12 @@ type Config struct {
 	// holds then run one at a time, each in its own transaction (no batch,
 	// no key parallelism), one at a time across the member's probing
 	// partitions, and each is marked in the partition_owners table
-	// (migration 0006) before its handler runs. When the process dies, the
-	// next start counts the death against the marked record; a probe that
-	// meets that record again, not processed, with CrashLoopLimit deaths
-	// counted, dead-letters it instead of running it, and the partition goes
-	// on. The death of an owner that was not probing is put down to no
+	// (migration 0006) before its KeyFunc and handler run. When the process
+	// dies, the next start counts the death against the marked record; a
+	// probe that meets that record again, not processed, with
+	// CrashLoopLimit deaths counted, dead-letters it instead of running it
+	// (its KeyFunc included: a KeyFunc that kills the process is caught the
+	// same way), and the partition goes on. The death of an owner that was not probing is put down to no
 	// record (it may have been running several), so a record that kills
 	// every run is dead-lettered on the start after it killed at most
 	// CrashLoopLimit+1 processes (CrashLoopLimit of them in probe). A

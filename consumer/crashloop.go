@@ -33,56 +33,72 @@ import (
 //     holds when it starts (up to the high watermark of its first fetch,
 //     which bounds every record its previous owner can have been running)
 //     run one at a time, each in its own transaction, in every mode, and
-//     one at a time across all the member's probing partitions. Before each
-//     one's handler runs, its offset and id are written to the row
-//     (ownerQueries.mark). If the process dies then, the mark names the
-//     record it was running, and only that one.
-//   - The next start counts the death against the marked record if the
-//     inbox does not hold it as processed (it did not finish): it becomes
-//     the suspect, and suspect_kills counts the deaths while it ran. A
-//     death while no record was running (idle, between records, waiting for
-//     another partition's turn) counts against none. A probe that meets the
-//     suspect again, not yet in the inbox, with CrashLoopLimit deaths
-//     counted, dead-letters it (class crash_loop) through the ordinary
-//     dead-letter path instead of running it.
+//     one at a time across all the member's probing partitions. Before any
+//     user code runs for one (its KeyFunc, then its handler), its offset is
+//     written to the row (ownerQueries.mark); its id is added once KeyFunc
+//     has returned it (ownerQueries.markID). If the process dies then, the
+//     mark names the record it was running, and only that one.
+//   - The next start counts the death against the marked record if it did
+//     not finish: its id is not known (the process died in KeyFunc), or the
+//     inbox does not hold it as processed. It becomes the suspect, and
+//     suspect_kills counts the deaths while it ran. A death while no record
+//     was running (idle, between records, waiting for another partition's
+//     turn) counts against none. A probe that meets the suspect again, not
+//     yet in the inbox, with CrashLoopLimit deaths counted, dead-letters it
+//     (class crash_loop) through the ordinary dead-letter path instead of
+//     running it, and without calling its KeyFunc: by the id the dead
+//     owner's mark gave it, else (the process died in KeyFunc) by
+//     topic/partition/offset, as an undecodable record.
 //
 // Nothing of this runs on the hot path: one statement when a partition is
 // assigned and one when it is revoked; a mark per record only while probing.
 
 // ownerQueries are the statements on the partition_owners table, built once.
 type ownerQueries struct {
-	table, start, mark, forget string
+	table, start, mark, markID, forget string
 }
 
 func newOwnerQueries(schema string) *ownerQueries {
 	t := sqlident.Table(schema, "partition_owners")
 	// The record marked running when the owner died, and not processed
-	// since: the one the process was running.
-	died := `p.running_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ` + sqlident.Table(schema, "inbox") +
-		` i WHERE i.consumer_group = p.consumer_group AND i.message_id = p.running_id AND i.outcome = 'processed')`
+	// since: the one the process was running. A mark without an id is a
+	// record whose id was being worked out (KeyFunc, user code, ran): it
+	// did not finish.
+	died := `p.running_offset IS NOT NULL AND (p.running_id IS NULL OR NOT EXISTS (SELECT 1 FROM ` + sqlident.Table(schema, "inbox") +
+		` i WHERE i.consumer_group = p.consumer_group AND i.message_id = p.running_id AND i.outcome = 'processed'))`
+	key := `consumer_group = $1 AND topic = $2 AND partition = $3`
 	return &ownerQueries{
 		table: t,
 		// A row already there: its owner died. The death counts against
-		// the record it was running, if any.
-		start: `INSERT INTO ` + t + ` AS p (consumer_group, topic, partition, owner) VALUES ($1, $2, $3, $4)
+		// the record it was running, if any. The dead owner's mark (prev,
+		// read before the row is overwritten) gives the suspect's id when
+		// the process died running it with its id known: a suspect
+		// dead-lettered by that id needs no KeyFunc call, which may be
+		// what kills the process.
+		start: `WITH prev AS (SELECT running_offset, running_id FROM ` + t + ` WHERE ` + key + ` FOR UPDATE)
+			INSERT INTO ` + t + ` AS p (consumer_group, topic, partition, owner) VALUES ($1, $2, $3, $4)
 			ON CONFLICT (consumer_group, topic, partition) DO UPDATE SET owner = excluded.owner, started_at = now(),
 				deaths = p.deaths + 1,
 				suspect_kills = CASE WHEN NOT (` + died + `) THEN p.suspect_kills
 					WHEN p.suspect_offset = p.running_offset THEN p.suspect_kills + 1 ELSE 1 END,
 				suspect_offset = CASE WHEN ` + died + ` THEN p.running_offset ELSE p.suspect_offset END,
 				running_offset = NULL, running_id = NULL
-			RETURNING deaths, suspect_offset, suspect_kills`,
+			RETURNING p.deaths, p.suspect_offset, p.suspect_kills,
+				(SELECT prev.running_id FROM prev WHERE prev.running_offset = p.suspect_offset)`,
 		mark: `UPDATE ` + t + ` SET running_offset = $5, running_id = $6
-			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND owner = $4`,
+			WHERE ` + key + ` AND owner = $4`,
+		markID: `UPDATE ` + t + ` SET running_id = $6
+			WHERE ` + key + ` AND owner = $4 AND running_offset = $5`,
 		forget: `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND owner = ANY($2)`,
 	}
 }
 
 // ownership is what a worker learned when it wrote its partition's row.
 type ownership struct {
-	deaths  int   // consecutive previous owners that died; 0: a clean start
-	suspect int64 // the offset of the record that was running when owners died; -1: none
-	kills   int   // deaths while the suspect ran
+	deaths    int    // consecutive previous owners that died; 0: a clean start
+	suspect   int64  // the offset of the record that was running when owners died; -1: none
+	suspectID string // the suspect's id, if the last owner that died knew it; "": unknown
+	kills     int    // deaths while the suspect ran
 }
 
 // DefaultCrashLoopLimit is Config.CrashLoopLimit's default.
@@ -107,10 +123,14 @@ func (w *worker) startOwnership() bool {
 	o := ownership{suspect: -1}
 	if !w.untilDone(func(ctx context.Context) error {
 		var suspect *int64
+		var suspectID *string
 		err := c.cfg.Pool.QueryRow(ctx, c.owners.start, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner).
-			Scan(&o.deaths, &suspect, &o.kills)
+			Scan(&o.deaths, &suspect, &o.kills, &suspectID)
 		if err == nil && suspect != nil {
 			o.suspect = *suspect
+		}
+		if err == nil && suspectID != nil {
+			o.suspectID = *suspectID
 		}
 		return err
 	}) {
@@ -156,6 +176,12 @@ func (w *worker) loopProbe(o ownership) bool {
 // probe runs one record of a probing partition: alone in the member, marked
 // in the partition's row; or, when it is the record the previous owners
 // died running CrashLoopLimit times, dead-lettered.
+//
+// The suspect check comes first and calls no user code: a KeyFunc that
+// kills the process on the record must not run again once the record has
+// reached the limit. Any other record is marked (its offset) before its id
+// is worked out, so that a death in KeyFunc counts against it as a death in
+// its handler does; its id is added to the mark once known.
 func (w *worker) probe(rec *kgo.Record, o ownership) bool {
 	c := w.r.c
 	select {
@@ -166,17 +192,24 @@ func (w *worker) probe(rec *kgo.Record, o ownership) bool {
 		return false
 	}
 	defer func() { <-w.r.probeSlot }()
-	id, idErr := c.messageID(rec)
-	if idErr != nil {
-		return w.process(rec) // dead-lettered as undecodable at once, never run
-	}
 	if rec.Offset == o.suspect && o.kills >= c.cfg.CrashLoopLimit {
-		if done, ok := w.crashLooped(rec, id, o.kills); done || !ok {
-			return ok
+		id := c.suspectID(rec, o.suspectID)
+		// A death while it is dead-lettered counts against it again, by
+		// the same id.
+		if !w.markRunning(rec.Offset, &id) {
+			return false
 		}
+		return w.crashLooped(rec, id, o.kills)
+	}
+	if !w.markRunning(rec.Offset, nil) {
+		return false
+	}
+	id, idErr := c.messageID(rec) // user code: a death here counts against rec
+	if idErr != nil {
+		id = c.fallbackID(rec) // dead-lettered as undecodable at once, never run
 	}
 	if !w.untilDone(func(ctx context.Context) error {
-		_, err := c.cfg.Pool.Exec(ctx, c.owners.mark, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, rec.Offset, id)
+		_, err := c.cfg.Pool.Exec(ctx, c.owners.markID, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, rec.Offset, id)
 		return err
 	}) {
 		return false
@@ -184,11 +217,37 @@ func (w *worker) probe(rec *kgo.Record, o ownership) bool {
 	return w.process(rec)
 }
 
+// markRunning writes offset, and id when not nil, to the partition's row as
+// the record running now. It reports false when the worker was stopped first.
+func (w *worker) markRunning(offset int64, id *string) bool {
+	c := w.r.c
+	return w.untilDone(func(ctx context.Context) error {
+		_, err := c.cfg.Pool.Exec(ctx, c.owners.mark, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, offset, id)
+		return err
+	})
+}
+
+// suspectID is the id to dead-letter a crash-looping record by, found
+// without running user code: the id the dead owner marked it with; else,
+// without a KeyFunc, its header id; else (its KeyFunc may be what kills the
+// process) topic/partition/offset, as an undecodable record's.
+func (c *Consumer) suspectID(rec *kgo.Record, recorded string) string {
+	if recorded != "" {
+		return recorded
+	}
+	if c.cfg.KeyFunc == nil {
+		if id, err := c.messageID(rec); err == nil {
+			return id
+		}
+	}
+	return c.fallbackID(rec)
+}
+
 // crashLooped dead-letters rec, which the process died running kills times,
 // unless the inbox holds it already (it finished before the death that
-// counted last). done reports that rec needs nothing more; ok is false when
-// the worker was stopped first.
-func (w *worker) crashLooped(rec *kgo.Record, id string, kills int) (done, ok bool) {
+// counted last): then it is a duplicate, skipped without running any user
+// code. It reports false when the worker was stopped first.
+func (w *worker) crashLooped(rec *kgo.Record, id string, kills int) bool {
 	c := w.r.c
 	claimed := false
 	if !w.untilDone(func(ctx context.Context) error {
@@ -203,22 +262,24 @@ func (w *worker) crashLooped(rec *kgo.Record, id string, kills int) (done, ok bo
 		}
 		return err
 	}) {
-		return false, false
+		return false
 	}
 	if claimed {
-		return false, true // a duplicate now: the record path skips it
+		c.duplicates.Add(1)
+		c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
+		return w.hook(w.r.hooks.AfterCommit, rec)
 	}
 	now := time.Now()
 	if !w.deadLetter(rec, id, failure{
 		class: dlq.ClassCrashLoop, attempts: kills, first: now, last: now,
 		err: fmt.Errorf("consumer: the process died %d times while this record was being processed (CrashLoopLimit %d)", kills, c.cfg.CrashLoopLimit),
 	}) {
-		return false, false
+		return false
 	}
 	c.crashLoops.Add(1)
 	c.cfg.Logger.Error("oncely record killed the process repeatedly; dead-lettered as a crash loop", "topic", rec.Topic,
 		"partition", rec.Partition, "offset", rec.Offset, "message_id", id, "deaths", kills, "dlq_topic", c.cfg.DeadLetterTopic(rec.Topic))
-	return true, true
+	return true
 }
 
 // untilDone runs a statement of the partition's own until the database

@@ -61,8 +61,8 @@
 //
 // # Records that kill the process
 //
-// A handler that kills the process (os.Exit, running out of memory, a panic
-// in a goroutine it started) leaves no error to count: Message.Attempt
+// A handler (or a KeyFunc) that kills the process (os.Exit, running out of
+// memory, a panic in a goroutine it started) leaves no error to count: Message.Attempt
 // starts again in each process, and every owner of the partition would die
 // on the record in turn. So each partition a member holds has a row in
 // the partition_owners table (migration 0006), written when its worker
@@ -73,13 +73,16 @@
 // partition in probe until it has passed the records there when it
 // started: one record at a time, each in its own transaction, whatever
 // the mode, and one at a time across all of the member's probing
-// partitions, each record's offset and id written to the row before its
-// handler runs. When the process dies, the next start counts the death
-// against the record marked then if the inbox does not hold it as
+// partitions, each record's offset written to the row before its KeyFunc
+// and handler run (its id too, once KeyFunc has returned it). When the
+// process dies, the next start counts the death against the record marked
+// then if its id was not known yet or the inbox does not hold it as
 // processed; when Config.CrashLoopLimit deaths are counted against it, the
 // probe dead-letters it (class crash_loop, its error saying how many
 // processes it killed) through the dead-letter path above, instead of
-// running it, and the partition goes on. A death while the partition was
+// running it or its KeyFunc, and the partition goes on. Its dead letter
+// carries the id the mark held, or topic/partition/offset when the process
+// died in KeyFunc (as an undecodable record's). A death while the partition was
 // idle, between records or outside a probe counts against no record, so
 // the record that kills every process is dead-lettered on the start after
 // it killed at most CrashLoopLimit+1 of them. Probing partitions take turns, so a

@@ -26,11 +26,18 @@ import (
 )
 
 // The crash-loop worker runs in a child process (this test binary, run again
-// with crashLoopChildEnv set): its handler exits the process on the poison
-// record, as a handler that runs out of memory or calls os.Exit would.
+// with crashLoopChildEnv set): its handler (or its KeyFunc) exits the
+// process on the poison record, as a handler (or a decoder) that runs out of
+// memory or calls os.Exit would.
 const (
-	crashLoopChildEnv = "ONCELY_CRASHLOOP_CHILD" // brokers|database url|schema|topic|group|poison id|limit
+	crashLoopChildEnv = "ONCELY_CRASHLOOP_CHILD" // brokers|database url|schema|topic|group|poison id|limit|kill in
 	crashLoopExitCode = 3
+)
+
+// Where the child dies on the poison.
+const (
+	killInHandler = "handler"
+	killInKeyFunc = "keyfunc" // the KeyFunc returns the record's value, the message id the tests produce
 )
 
 // TestCrashLoopChildWorker is the child process's body; it is skipped in an
@@ -41,8 +48,8 @@ func TestCrashLoopChildWorker(t *testing.T) {
 		t.Skip("runs only as the child process of TestCrashLoopRecordIsDeadLettered")
 	}
 	f := strings.Split(spec, "|")
-	if len(f) != 7 {
-		t.Fatalf("%s=%q: want 7 fields", crashLoopChildEnv, spec)
+	if len(f) != 8 {
+		t.Fatalf("%s=%q: want 8 fields", crashLoopChildEnv, spec)
 	}
 	limit, err := strconv.Atoi(f[6])
 	if err != nil {
@@ -60,11 +67,19 @@ func TestCrashLoopChildWorker(t *testing.T) {
 	poison := f[5]
 	apply := recordEffect("child")
 	cfg := e.config("child", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
-		if m.ID == poison {
+		if m.ID == poison && f[7] == killInHandler {
 			os.Exit(crashLoopExitCode) // what no recover can catch
 		}
 		return apply(ctx, tx, m)
 	})
+	if f[7] == killInKeyFunc {
+		cfg.KeyFunc = func(rec *kgo.Record) (string, error) {
+			if string(rec.Value) == poison {
+				os.Exit(crashLoopExitCode)
+			}
+			return string(rec.Value), nil
+		}
+	}
 	cfg.CrashLoopLimit = limit
 	// Static membership: each restart takes the partitions back at once,
 	// without waiting for the dead member's session to time out.
@@ -86,11 +101,11 @@ type child struct {
 	err  error
 }
 
-func (e *env) startCrashLoopChild(t *testing.T, poison string, limit int) *child {
+func (e *env) startCrashLoopChild(t *testing.T, poison string, limit int, killIn string) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashLoopChildWorker$", "-test.count=1")
 	cmd.Env = append(os.Environ(), crashLoopChildEnv+"="+strings.Join([]string{
-		strings.Join(e.kafka.Brokers, ","), e.db.URL, e.db.Schema, e.topic, e.group, poison, strconv.Itoa(limit)}, "|"))
+		strings.Join(e.kafka.Brokers, ","), e.db.URL, e.db.Schema, e.topic, e.group, poison, strconv.Itoa(limit), killIn}, "|"))
 	ch := &child{cmd: cmd, out: &bytes.Buffer{}, done: make(chan struct{})}
 	cmd.Stdout, cmd.Stderr = ch.out, ch.out
 	if err := cmd.Start(); err != nil {
@@ -126,6 +141,20 @@ func (ch *child) exitCode() int {
 // marked as owned.
 func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
 	t.Parallel()
+	testCrashLoop(t, killInHandler)
+}
+
+// A record whose KeyFunc kills the process (a decoder that runs out of
+// memory) is caught the same way: the probe marks a record before it works
+// out its id, so each death counts against the poison, and the poison,
+// once at the limit, is dead-lettered without its KeyFunc running again,
+// under the id an undecodable record gets (topic/partition/offset).
+func TestCrashLoopInKeyFuncIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	testCrashLoop(t, killInKeyFunc)
+}
+
+func testCrashLoop(t *testing.T, killIn string) {
 	const limit = 2
 	e := newEnv(t, 2)
 	e.createDLQTopic(t)
@@ -135,6 +164,10 @@ func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
 	}
 	msgs = append(msgs, msg{id: "poison", partition: 0, key: "k-1"})
 	const poisonOffset = 10
+	poisonID := "poison"
+	if killIn == killInKeyFunc {
+		poisonID = fmt.Sprintf("%s/0/%d", e.topic, poisonOffset) // its KeyFunc never returned
+	}
 	for i := range 10 {
 		msgs = append(msgs, msg{id: fmt.Sprint("p0-after-", i), partition: 0, key: fmt.Sprint("k-", i%4)})
 	}
@@ -145,7 +178,7 @@ func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
 	goods := int64(len(msgs) - 1)
 
 	caughtUp := func() bool {
-		return e.count(t, `SELECT count(*) FROM inbox WHERE message_id = 'poison' AND outcome = 'dead_lettered'`) == 1 &&
+		return e.count(t, `SELECT count(*) FROM inbox WHERE message_id = $1 AND outcome = 'dead_lettered'`, poisonID) == 1 &&
 			e.count(t, `SELECT count(*) FROM effects`) == goods && e.committedLag(t) == 0
 	}
 	deaths := 0
@@ -153,7 +186,7 @@ func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
 		if deaths > limit+1 {
 			t.Fatalf("the worker died %d times; the poison should have been dead-lettered after %d", deaths, limit+1)
 		}
-		ch := e.startCrashLoopChild(t, "poison", limit)
+		ch := e.startCrashLoopChild(t, "poison", limit, killIn)
 		var exited bool
 		testenv.Eventually(t, 2*time.Minute, "the worker to die on the poison or to catch up past it", func() bool {
 			select {
@@ -200,9 +233,9 @@ func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
 		t.Fatalf("dead-letter topic: %d entries (%+v), want the poison once", len(entries), entries)
 	}
 	info := entries[0].Info
-	if info.MessageID != "poison" || info.Class != dlq.ClassCrashLoop || info.Topic != e.topic || info.Partition != 0 ||
+	if info.MessageID != poisonID || info.Class != dlq.ClassCrashLoop || info.Topic != e.topic || info.Partition != 0 ||
 		info.Offset != poisonOffset || info.Group != e.group || info.Attempts != limit || info.Timestamp.IsZero() {
-		t.Errorf("dead letter %+v: want poison, class crash_loop, from %s/0@%d, group %s, %d deaths", info, e.topic, poisonOffset, e.group, limit)
+		t.Errorf("dead letter %+v: want %s, class crash_loop, from %s/0@%d, group %s, %d deaths", info, poisonID, e.topic, poisonOffset, e.group, limit)
 	}
 	if want := fmt.Sprintf("died %d times", limit); !strings.Contains(info.Error, want) {
 		t.Errorf("dead letter error %q does not say %q", info.Error, want)
@@ -210,7 +243,7 @@ func TestCrashLoopRecordIsDeadLettered(t *testing.T) {
 	if string(entries[0].Record.Value) != "poison" || string(entries[0].Record.Key) != "k-1" {
 		t.Errorf("dead letter key/value %q/%q, want the poison's", entries[0].Record.Key, entries[0].Record.Value)
 	}
-	if o, err := dedup.MustNew(e.db.Schema).Lookup(context.Background(), e.db.Pool, e.group, "poison"); err != nil || o != dedup.DeadLettered {
+	if o, err := dedup.MustNew(e.db.Schema).Lookup(context.Background(), e.db.Pool, e.group, poisonID); err != nil || o != dedup.DeadLettered {
 		t.Errorf("inbox outcome of the poison = %q, %v; want dead_lettered", o, err)
 	}
 	if off := e.committedOffset(t, 0); off != int64(len(msgs)-20) {
