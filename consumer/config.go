@@ -201,8 +201,9 @@ type Config struct {
 	// no key parallelism), one at a time across the member's probing
 	// partitions, and each is marked in the partition_owners table
 	// (migration 0006) before its KeyFunc and handler run. When the process
-	// dies, the next start counts the death against the marked record; a
-	// probe that meets that record again, not processed, with
+	// dies, the next start counts the death against the marked record
+	// unless it finished (processed, or dead-lettered and not redriven); a
+	// probe that meets that record again, not finished, with
 	// CrashLoopLimit deaths counted, dead-letters it instead of running it
 	// (its KeyFunc included: a KeyFunc that kills the process is caught the
 	// same way), and the partition goes on. The death of an owner that was not probing is put down to no

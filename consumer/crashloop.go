@@ -40,7 +40,11 @@ import (
 //     mark names the record it was running, and only that one.
 //   - The next start counts the death against the marked record if it did
 //     not finish: its id is not known (the process died in KeyFunc), or the
-//     inbox does not hold it as processed. It becomes the suspect, and
+//     inbox does not hold it (processed, or dead-lettered with no redrive
+//     grant pending: a redriven record is dead-lettered in the inbox until
+//     it has run). A mark left on a record that finished counts for
+//     nothing, and the probe clears its mark when it ends. The record
+//     that did not finish becomes the suspect, and
 //     suspect_kills counts the deaths while it ran. A death while no record
 //     was running (idle, between records, waiting for another partition's
 //     turn) counts against none. A probe that meets the suspect again, not
@@ -51,7 +55,8 @@ import (
 //     topic/partition/offset, as an undecodable record.
 //
 // Nothing of this runs on the hot path: one statement when a partition is
-// assigned and one when it is revoked; a mark per record only while probing.
+// assigned and one when it is revoked; two per record (its mark, then its
+// id) and one at the end only while probing.
 
 // ownerQueries are the statements on the partition_owners table, built once.
 type ownerQueries struct {
@@ -60,12 +65,17 @@ type ownerQueries struct {
 
 func newOwnerQueries(schema string) *ownerQueries {
 	t := sqlident.Table(schema, "partition_owners")
-	// The record marked running when the owner died, and not processed
+	// The record marked running when the owner died, and not finished
 	// since: the one the process was running. A mark without an id is a
 	// record whose id was being worked out (KeyFunc, user code, ran): it
-	// did not finish.
+	// did not finish. A record finished when the inbox holds it, processed
+	// or dead-lettered, unless its redrive grant is still there: a redriven
+	// record is dead-lettered in the inbox before it runs, and takes its
+	// grant (in its transaction) only when it finishes. A mark the probe
+	// left on a finished record therefore counts for nothing.
 	died := `p.running_offset IS NOT NULL AND (p.running_id IS NULL OR NOT EXISTS (SELECT 1 FROM ` + sqlident.Table(schema, "inbox") +
-		` i WHERE i.consumer_group = p.consumer_group AND i.message_id = p.running_id AND i.outcome = 'processed'))`
+		` i WHERE i.consumer_group = p.consumer_group AND i.message_id = p.running_id AND (i.outcome = 'processed' OR NOT EXISTS (SELECT 1 FROM ` +
+		sqlident.Table(schema, "redrive_grants") + ` g WHERE g.consumer_group = i.consumer_group AND g.message_id = i.message_id))))`
 	key := `consumer_group = $1 AND topic = $2 AND partition = $3`
 	return &ownerQueries{
 		table: t,
@@ -167,6 +177,11 @@ func (w *worker) loopProbe(o ownership) bool {
 		}
 		w.markDone(rec)
 		if rec.Offset+1 >= until {
+			// No record runs marked from now on: a later death (idle, or
+			// outside a probe) finds no mark to count against.
+			if !w.markRunning(nil, nil) {
+				return false
+			}
 			c.cfg.Logger.Info("oncely partition probe done", "topic", w.tp.topic, "partition", w.tp.partition, "offset", rec.Offset)
 			return true
 		}
@@ -196,12 +211,12 @@ func (w *worker) probe(rec *kgo.Record, o ownership) bool {
 		id := c.suspectID(rec, o.suspectID)
 		// A death while it is dead-lettered counts against it again, by
 		// the same id.
-		if !w.markRunning(rec.Offset, &id) {
+		if !w.markRunning(&rec.Offset, &id) {
 			return false
 		}
 		return w.crashLooped(rec, id, o.kills)
 	}
-	if !w.markRunning(rec.Offset, nil) {
+	if !w.markRunning(&rec.Offset, nil) {
 		return false
 	}
 	id, idErr := c.messageID(rec) // user code: a death here counts against rec
@@ -218,8 +233,9 @@ func (w *worker) probe(rec *kgo.Record, o ownership) bool {
 }
 
 // markRunning writes offset, and id when not nil, to the partition's row as
-// the record running now. It reports false when the worker was stopped first.
-func (w *worker) markRunning(offset int64, id *string) bool {
+// the record running now; a nil offset clears the mark. It reports false
+// when the worker was stopped first.
+func (w *worker) markRunning(offset *int64, id *string) bool {
 	c := w.r.c
 	return w.untilDone(func(ctx context.Context) error {
 		_, err := c.cfg.Pool.Exec(ctx, c.owners.mark, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, offset, id)

@@ -76,23 +76,27 @@
 // partitions, each record's offset written to the row before its KeyFunc
 // and handler run (its id too, once KeyFunc has returned it). When the
 // process dies, the next start counts the death against the record marked
-// then if its id was not known yet or the inbox does not hold it as
-// processed; when Config.CrashLoopLimit deaths are counted against it, the
+// then if its id was not known yet or the inbox does not hold it (processed,
+// or dead-lettered with no redrive of it pending), so a mark left on a
+// finished record counts for nothing, and the mark is cleared when the
+// probe ends; when Config.CrashLoopLimit deaths are counted against it, the
 // probe dead-letters it (class crash_loop, its error saying how many
 // processes it killed) through the dead-letter path above, instead of
 // running it or its KeyFunc, and the partition goes on. Its dead letter
 // carries the id the mark held, or topic/partition/offset when the process
-// died in KeyFunc (as an undecodable record's). A death while the partition was
-// idle, between records or outside a probe counts against no record, so
-// the record that kills every process is dead-lettered on the start after
-// it killed at most CrashLoopLimit+1 of them. Probing partitions take turns, so a
+// died in KeyFunc (as an undecodable record's). A death while the
+// partition was idle, between records or outside a probe counts against no
+// record, so the record that kills every process is dead-lettered on the
+// start after it killed at most CrashLoopLimit+1 of them. Probing
+// partitions take turns, so a
 // marked record is never blamed for another probing partition's record; a
 // partition not in probe can still kill the process while a marked record
 // runs, which blames that record once (it is dead-lettered only after
 // CrashLoopLimit such deaths on it). Ordinary processing pays
 // nothing for this: a statement when a partition is assigned and one when
 // it is revoked. A probe does pay: after a crash, the backlog a partition
-// held runs one record at a time, with a mark per record.
+// held runs one record at a time, with a mark per record (two statements)
+// and one more when the probe ends.
 //
 // # Batches and key parallelism
 //

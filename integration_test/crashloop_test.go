@@ -181,43 +181,7 @@ func testCrashLoop(t *testing.T, killIn string) {
 		return e.count(t, `SELECT count(*) FROM inbox WHERE message_id = $1 AND outcome = 'dead_lettered'`, poisonID) == 1 &&
 			e.count(t, `SELECT count(*) FROM effects`) == goods && e.committedLag(t) == 0
 	}
-	deaths := 0
-	for {
-		if deaths > limit+1 {
-			t.Fatalf("the worker died %d times; the poison should have been dead-lettered after %d", deaths, limit+1)
-		}
-		ch := e.startCrashLoopChild(t, "poison", limit, killIn)
-		var exited bool
-		testenv.Eventually(t, 2*time.Minute, "the worker to die on the poison or to catch up past it", func() bool {
-			select {
-			case <-ch.done:
-				exited = true
-				return true
-			default:
-				return caughtUp()
-			}
-		})
-		if exited {
-			if code := ch.exitCode(); code != crashLoopExitCode {
-				t.Fatalf("the worker exited with %v (code %d), not on the poison; its output:\n%s", ch.err, code, ch.out)
-			}
-			deaths++
-			continue
-		}
-		// Caught up: a clean shutdown.
-		if err := ch.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case <-ch.done:
-		case <-time.After(time.Minute):
-			t.Fatal("the worker did not stop within a minute of SIGTERM")
-		}
-		if ch.err != nil {
-			t.Fatalf("the last worker exited with %v; its output:\n%s", ch.err, ch.out)
-		}
-		break
-	}
+	deaths := e.restartUntilCaughtUp(t, "poison", limit, killIn, caughtUp)
 	// The first death came outside a probe, and counts against no record;
 	// each later one counted against the poison.
 	if deaths != limit+1 {
@@ -252,6 +216,51 @@ func testCrashLoop(t *testing.T, killIn string) {
 	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
 		t.Errorf("%d partitions still marked as owned after a clean shutdown: %s", n, e.ownerRows(t))
 	}
+}
+
+// restartUntilCaughtUp runs crash-loop workers one after another, each
+// until it dies on the poison or caughtUp holds, then stops the last one
+// cleanly. It returns how many died.
+func (e *env) restartUntilCaughtUp(t *testing.T, poison string, limit int, killIn string, caughtUp func() bool) int {
+	t.Helper()
+	deaths := 0
+	for {
+		if deaths > limit+1 {
+			t.Fatalf("the worker died %d times; the poison should have been dead-lettered after %d", deaths, limit+1)
+		}
+		ch := e.startCrashLoopChild(t, poison, limit, killIn)
+		var exited bool
+		testenv.Eventually(t, 2*time.Minute, "the worker to die on the poison or to catch up past it", func() bool {
+			select {
+			case <-ch.done:
+				exited = true
+				return true
+			default:
+				return caughtUp()
+			}
+		})
+		if exited {
+			if code := ch.exitCode(); code != crashLoopExitCode {
+				t.Fatalf("the worker exited with %v (code %d), not on the poison; its output:\n%s", ch.err, code, ch.out)
+			}
+			deaths++
+			continue
+		}
+		// Caught up: a clean shutdown.
+		if err := ch.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-ch.done:
+		case <-time.After(time.Minute):
+			t.Fatal("the worker did not stop within a minute of SIGTERM")
+		}
+		if ch.err != nil {
+			t.Fatalf("the last worker exited with %v; its output:\n%s", ch.err, ch.out)
+		}
+		break
+	}
+	return deaths
 }
 
 // ownerRows describes the partition_owners rows, for a failure message.
@@ -520,5 +529,158 @@ func TestCleanExitAfterCrashForgetsPartitionsWithoutRecords(t *testing.T) {
 	e.assertExactlyOnce(t, 1+1+2) // first-0, crash, c-*
 	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
 		t.Errorf("%d partitions still marked as owned after C's clean shutdown", n)
+	}
+}
+
+// A probe's mark on a record that finished counts for nothing, even when it
+// finished dead-lettered, and the mark is gone once the probe ends. A
+// dead-letters "bad" (its handler fails it permanently) and then dies
+// holding both partitions. An operator redrives "bad"; B, probing, runs the
+// redriven copy, dead-letters it again and dies (simulated) right after,
+// before committing its offset, its mark still on the copy. With
+// CrashLoopLimit 1 a death counted against the copy would make C
+// dead-letter it a third time, as a crash loop; instead C skips it (its
+// redrive grant is used up) and, its probe done, leaves no mark.
+func TestFinishedProbeRecordsAreNeverBlamed(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	e.createDLQTopic(t)
+	failBad := func(member string) consumer.Handler {
+		return func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+			if m.ID == "bad" {
+				return dlq.Permanent(errors.New("bad is bad"))
+			}
+			return recordEffect(member)(ctx, tx, m)
+		}
+	}
+	config := func(member string, h consumer.Handler) consumer.Config {
+		cfg := e.config(member, h)
+		cfg.CrashLoopLimit = 1
+		return cfg
+	}
+	crashOn := func(value string) *testhook.Consumer {
+		crash := func(rec *kgo.Record) error {
+			if string(rec.Value) == value {
+				return testhook.ErrCrash
+			}
+			return nil
+		}
+		return &testhook.Consumer{AfterCommit: crash, AfterDeadLetter: crash}
+	}
+
+	e.produce(t, []msg{{id: "bad", partition: 0}})
+	a := e.start(testhook.WithConsumer(context.Background(), crashOn("crash-a")), config("a", failBad("a")))
+	eventually(t, time.Minute, "A to dead-letter bad and commit past it", func() bool {
+		return e.count(t, `SELECT count(*) FROM inbox WHERE message_id = 'bad' AND outcome = 'dead_lettered'`) == 1 &&
+			e.committedOffset(t, 0) == 1
+	})
+	e.produce(t, []msg{{id: "crash-a", partition: 1}})
+	if err := a.wait(t, time.Minute); !errors.Is(err, testhook.ErrCrash) {
+		t.Fatalf("A's Run = %v, want the simulated crash", err)
+	}
+	e.redriveOnlyEntry(t)
+
+	b := e.start(testhook.WithConsumer(context.Background(), crashOn("bad")), config("b", failBad("b")))
+	if err := b.wait(t, time.Minute); !errors.Is(err, testhook.ErrCrash) {
+		t.Fatalf("B's Run = %v, want the simulated crash after dead-lettering the redriven bad", err)
+	}
+	if s := b.c.Stats(); s.CrashProbes != 2 || s.DeadLettered != 1 {
+		t.Fatalf("B: %d probes, %d dead letters; want both partitions in probe and the redriven bad dead-lettered", s.CrashProbes, s.DeadLettered)
+	}
+	if n := e.count(t, `SELECT count(*) FROM partition_owners WHERE running_offset IS NOT NULL AND running_id = 'bad'`); n != 1 {
+		t.Fatalf("B's probe left no mark on the redriven bad: %s", e.ownerRows(t))
+	}
+
+	c := e.start(context.Background(), config("c", recordEffect("c")))
+	e.produce(t, []msg{{id: "c-0", partition: 0}, {id: "c-1", partition: 1}})
+	eventually(t, time.Minute, "C to catch up", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id IN ('c-0', 'c-1')`) == 2 && e.committedLag(t) == 0
+	})
+	if s := c.c.Stats(); s.CrashProbes != 2 || s.CrashLoops != 0 || s.DeadLettered != 0 {
+		t.Errorf("C: %d probes, %d crash loops, %d dead letters; want both partitions in probe and nothing dead-lettered",
+			s.CrashProbes, s.CrashLoops, s.DeadLettered)
+	}
+	copies := 0
+	for _, en := range e.dlqEntries(t) {
+		if en.Err != nil || en.Info.Class == dlq.ClassCrashLoop {
+			t.Errorf("dead letter %+v (err %v): bad finished each time, it never killed a process", en.Info, en.Err)
+			continue
+		}
+		copies += en.Copies
+	}
+	if copies != 2 {
+		t.Errorf("%d dead-letter copies of bad, want 2: A's and the redrive's", copies)
+	}
+	// Its probes passed the records there at its start: no mark is left
+	// for a later death to count against.
+	eventually(t, 30*time.Second, "C's probes to end and clear their marks", func() bool {
+		return e.count(t, `SELECT count(*) FROM partition_owners WHERE running_offset IS NULL`) == 2
+	})
+	if err := c.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	e.assertExactlyOnce(t, 1+2) // crash-a, c-*
+}
+
+// A redriven record is dead-lettered in the inbox before it runs: a death
+// while it runs counts against it all the same (its redrive grant is still
+// there, unused), and a redrive that still kills the process is
+// dead-lettered again, as a crash loop.
+func TestCrashLoopOnRedriveIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	const limit = 1
+	e := newEnv(t, 1)
+	e.createDLQTopic(t)
+	e.produce(t, []msg{{id: "before", partition: 0}, {id: "poison", partition: 0}})
+	a := e.start(context.Background(), e.config("a", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if m.ID == "poison" {
+			return dlq.Permanent(errors.New("poison is bad"))
+		}
+		return recordEffect("a")(ctx, tx, m)
+	}))
+	eventually(t, time.Minute, "A to dead-letter the poison and commit past it", func() bool {
+		return e.count(t, `SELECT count(*) FROM inbox WHERE message_id = 'poison' AND outcome = 'dead_lettered'`) == 1 &&
+			e.committedLag(t) == 0
+	})
+	if err := a.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	e.redriveOnlyEntry(t)
+	e.produce(t, []msg{{id: "after", partition: 0}})
+
+	deaths := e.restartUntilCaughtUp(t, "poison", limit, killInHandler, func() bool {
+		return e.count(t, `SELECT count(*) FROM effects`) == 2 && e.committedLag(t) == 0
+	})
+	if deaths != limit+1 {
+		t.Errorf("the worker died %d times on the redriven poison, want %d", deaths, limit+1)
+	}
+	var classes []dlq.Class
+	for _, en := range e.dlqEntries(t) {
+		if en.Err != nil {
+			t.Fatalf("dead letter: %v", en.Err)
+		}
+		classes = append(classes, en.Info.Class)
+	}
+	if len(classes) != 2 || classes[1] != dlq.ClassCrashLoop {
+		t.Errorf("dead-letter classes %v: want A's and then the redrive's as a crash loop", classes)
+	}
+	if n := e.count(t, `SELECT count(*) FROM redrive_grants`); n != 0 {
+		t.Errorf("%d redrive grants left: the crash-loop dead letter must use it up", n)
+	}
+	e.assertExactlyOnce(t, 2) // before, after
+}
+
+// redriveOnlyEntry redrives the one entry of the dead-letter topic, as an
+// operator does: a redrive grant, then the record back in its topic.
+func (e *env) redriveOnlyEntry(t *testing.T) {
+	t.Helper()
+	entries := e.dlqEntries(t)
+	if len(entries) != 1 {
+		t.Fatalf("%d dead-letter entries, want 1", len(entries))
+	}
+	res, err := dlq.Redrive(context.Background(), e.kafka.Client(t), entries,
+		dlq.RedriveOptions{Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool})
+	if err != nil || res[0].Action != dlq.Redriven {
+		t.Fatalf("redrive = %+v, %v", res, err)
 	}
 }
