@@ -211,8 +211,13 @@ type Config struct {
 	// every run is dead-lettered on the start after it killed at most
 	// CrashLoopLimit+1 processes (CrashLoopLimit of them in probe). A
 	// partition whose owner died while it was idle, or between records,
-	// dead-letters nothing. A member revoked, shut down or fenced without
-	// dying does not count. The cost is a statement per partition assigned
+	// dead-letters nothing. A member revoked or shut down without dying
+	// does not count (the deletion of its rows is retried for a few
+	// seconds, within the shutdown's time). A member that loses its
+	// partitions while alive (its session expired, or it was fenced)
+	// counts as a death when the next owner writes the partition's row
+	// before the lost member deletes it: nothing in the row tells a live
+	// former owner from a dead one. The cost is a statement per partition assigned
 	// and revoked, and a mark per record while probing; none on the
 	// ordinary record path.
 	//

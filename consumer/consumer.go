@@ -592,7 +592,9 @@ func (r *run) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32)
 	}
 	r.commitMu.Unlock()
 	stopWorkers(ws, 0)
-	r.forget(context.Background(), ws) // not a death: the process lives on
+	// Not a death: the process lives on. A next owner that wrote the row
+	// first counted it as one all the same (see forget).
+	r.forget(context.Background(), ws)
 	r.remove(ws)
 	cl.ResumeFetchPartitions(lost)
 	r.c.cfg.Logger.Warn("oncely partitions lost", "partitions", lost)

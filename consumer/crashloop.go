@@ -320,10 +320,27 @@ func (w *worker) untilDone(stmt func(ctx context.Context) error) bool {
 	}
 }
 
+// forgetTimeout bounds the deletion of a member's rows when its partitions
+// leave it cleanly, retries included; a shutdown or a revoke that must end
+// sooner bounds it sooner.
+const forgetTimeout = 5 * time.Second
+
 // forget deletes the rows of ws's partitions: they leave the member cleanly,
 // so their next owner starts without a probe. A crashed run forgets nothing.
 // A row of a partition that moved on already belongs to its next owner and
-// is left alone (the owner token differs).
+// is left alone (the owner token differs). A failed deletion is retried with
+// backoff until ctx's deadline, forgetTimeout, or the shutdown's deadline,
+// whichever comes first: a row left behind makes the next owner count a
+// clean exit as a death (and, if a record was marked running, count it
+// against that record).
+//
+// A member that lost its partitions while alive (onLost: its session
+// expired, or it was fenced) deletes its rows too, but its next owner may
+// have written the row first: that start counted the loss as a death, as
+// nothing in the row tells a live former owner from a dead one. The
+// partition then runs in probe, and if the lost member was running a probe
+// record, a death is counted against it; with CrashLoopLimit at 2 or more,
+// one such loss cannot dead-letter a record.
 func (r *run) forget(ctx context.Context, ws []*worker) {
 	c := r.c
 	if !c.crashLoopOn() || r.crashed.Load() || len(ws) == 0 {
@@ -338,9 +355,28 @@ func (r *run) forget(ctx context.Context, ws []*worker) {
 	if len(owners) == 0 {
 		return
 	}
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 3*time.Second)
+	by := time.Now().Add(forgetTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(by) {
+		by = d
+	}
+	if s := r.stopBy.Load(); s != 0 && s < by.UnixNano() {
+		by = time.Unix(0, max(s, time.Now().Add(time.Second).UnixNano()))
+	}
+	fctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), by)
 	defer cancel()
-	if _, err := c.cfg.Pool.Exec(fctx, c.owners.forget, c.cfg.Group, owners); err != nil {
-		c.cfg.Logger.Warn("oncely could not record that partitions left cleanly; their next owner will probe them", "err", err)
+	for n := 1; ; n++ {
+		_, err := c.cfg.Pool.Exec(fctx, c.owners.forget, c.cfg.Group, owners)
+		if err == nil {
+			return
+		}
+		t := time.NewTimer(c.backoff.Delay(n))
+		select {
+		case <-t.C:
+			continue
+		case <-fctx.Done():
+			t.Stop()
+		}
+		c.cfg.Logger.Warn("oncely could not record that partitions left cleanly; their next owner will probe them", "attempts", n, "err", err)
+		return
 	}
 }

@@ -684,3 +684,57 @@ func (e *env) redriveOnlyEntry(t *testing.T) {
 		t.Fatalf("redrive = %+v, %v", res, err)
 	}
 }
+
+// A clean shutdown whose deletion of its partition_owners rows fails (the
+// database connection dies under it) tries again: a row left behind would
+// make the next start count the clean exit as a death and probe. The
+// deletion is held on a table lock until it waits, its connection is then
+// terminated, and the lock released.
+func TestCleanExitRetriesForgettingItsPartitions(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	a := e.start(context.Background(), e.config("a", recordEffect("a")))
+	e.produce(t, []msg{{id: "m-0", partition: 0}})
+	eventually(t, time.Minute, "A to process and commit its record", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects`) == 1 && e.committedLag(t) == 0
+	})
+	ctx := context.Background()
+	lock, err := e.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback(ctx) }()
+	if _, err := lock.Exec(ctx, `LOCK TABLE partition_owners IN EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	a.cancel()
+	var pid int32
+	eventually(t, time.Minute, "A's deletion of its rows to wait on the lock", func() bool {
+		err := e.db.Pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+			AND query LIKE 'DELETE FROM %' AND query LIKE '%' || $1 || '%partition_owners%'`, e.db.Schema).Scan(&pid)
+		return err == nil
+	})
+	var terminated bool
+	if err := e.db.Pool.QueryRow(ctx, `SELECT pg_terminate_backend($1)`, pid).Scan(&terminated); err != nil || !terminated {
+		t.Fatalf("terminate the deletion's connection: %v, %v", terminated, err)
+	}
+	if err := lock.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.wait(t, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+		t.Fatalf("%d partitions still marked as owned after A's clean shutdown: %s", n, e.ownerRows(t))
+	}
+	b := e.start(context.Background(), e.config("b", recordEffect("b")))
+	e.produce(t, []msg{{id: "m-1", partition: 0}})
+	eventually(t, time.Minute, "B to process its record", func() bool { return e.count(t, `SELECT count(*) FROM effects`) == 2 })
+	if s := b.c.Stats(); s.CrashProbes != 0 {
+		t.Errorf("B started %d partitions in probe after A's clean shutdown", s.CrashProbes)
+	}
+	if err := b.stop(t); err != nil {
+		t.Fatal(err)
+	}
+	e.assertExactlyOnce(t, 2)
+}
