@@ -58,10 +58,13 @@ func Watch(ctx context.Context, cl *kgo.Client, brokers []string, interval time.
 		case ctx.Err() != nil:
 			return
 		case err != nil:
+			// Logged before the state changes, so that whoever sees the
+			// state can find the line.
 			why := fmt.Sprintf("no Kafka broker answers (%s): %v", strings.Join(brokers, ", "), err)
-			if prev := s.why.Swap(&why); prev == nil || prev == &notYet {
+			if prev := s.why.Load(); prev == nil || prev == &notYet {
 				log.Error(who+" cannot reach any Kafka broker; not ready", "brokers", brokers, "err", err)
 			}
+			s.why.Store(&why)
 		default:
 			if prev := s.why.Swap(nil); prev != nil && prev != &notYet {
 				log.Info(who+" reaches Kafka again", "brokers", brokers)
