@@ -225,6 +225,10 @@ type Config struct {
 	// table is read or written, a record that kills the process is received
 	// again by every owner); other negative values are invalid.
 	CrashLoopLimit int
+
+	// system is messaging.system of a record path that NewRecordPath
+	// made for a broker other than Kafka; "" for a Kafka consumer group.
+	system string
 	// MaxRecordBytes dead-letters records whose key, value and headers
 	// together exceed it, without handing them to the handler (class
 	// oversized). Default 0: no limit.
@@ -353,9 +357,9 @@ func (cfg *Config) setDefaults() {
 
 func (cfg *Config) validate() error {
 	switch {
-	case len(cfg.Brokers) == 0:
+	case len(cfg.Brokers) == 0 && cfg.system == "":
 		return invalid("Brokers", "at least one seed broker is required")
-	case len(cfg.Topics) == 0:
+	case len(cfg.Topics) == 0 && cfg.system == "":
 		return invalid("Topics", "at least one topic is required")
 	case cfg.Group == "":
 		return invalid("Group", "a consumer group is required")

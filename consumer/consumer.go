@@ -19,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -50,6 +51,7 @@ type Consumer struct {
 	// partition (tp -> *fallbackLog).
 	fallbacks sync.Map
 
+	system  attribute.KeyValue // messaging.system
 	tracer  trace.Tracer
 	meter   metric.Meter
 	metrics *instruments
@@ -106,6 +108,7 @@ func New(cfg Config) (*Consumer, error) {
 		owners = newOwnerQueries(cfg.Schema)
 	}
 	return &Consumer{
+		system:  systemAttr(&cfg),
 		owners:  owners,
 		handler: handler,
 		cfg:     cfg,
@@ -353,6 +356,13 @@ func (c *Consumer) Run(ctx context.Context) error {
 func (r *run) firstCommit() {
 	if r.committed.CompareAndSwap(false, true) {
 		r.c.cfg.Logger.Info("oncely first record committed", "group", r.c.cfg.Group, "since_start", time.Since(r.started))
+	}
+}
+
+// firstCommit logs the first record the running Kafka member committed.
+func (c *Consumer) firstCommit() {
+	if r := c.live.Load(); r != nil {
+		r.firstCommit()
 	}
 }
 
@@ -975,69 +985,222 @@ func (w *worker) process(rec *kgo.Record) bool {
 // retry runs attempts for rec as process does. prior, when not nil, is an
 // attempt already made and failed (in a batch transaction); it counts.
 func (w *worker) retry(rec *kgo.Record, prior *result) bool {
-	c := w.r.c
+	return w.r.c.deliver(w.ctx, rec, kafkaSource{w}, prior)
+}
+
+// A Source is what the record path needs from a broker, and all that
+// differs between brokers: how a failed record comes back, how a finished
+// one is acknowledged, how a dead-letter copy is written, and what the
+// broker counts of a record's deliveries. The Kafka partition worker is one
+// (kafkaSource, below); package natsconsumer's JetStream message is
+// another. Everything else (the transaction, the inbox claim, the handler,
+// the classification of a failure, the backoff, the decision to
+// dead-letter, the spans and metrics) is the record path's own: deliver.
+type Source interface {
+	// Spent is how many attempts the broker has counted for the record
+	// before this delivery: 0 where the consumer counts its own (Kafka),
+	// the delivery count less one where the broker counts redeliveries
+	// (JetStream), so that attempts lost to a crash count too.
+	Spent() int
+	// Pause waits d before the record runs again in this process (after
+	// contention, or while the database is unreachable: neither spends
+	// an attempt). It reports false when the source stops first.
+	Pause(d time.Duration) bool
+	// Retry is called after a failed attempt that spent an attempt and
+	// is not dead-lettered. It waits delay and reports true for the
+	// record to run again here (Kafka), or hands the record back to the
+	// broker for redelivery after delay and reports false (JetStream's
+	// NakWithDelay).
+	Retry(ctx context.Context, delay time.Duration) bool
+	// DatabaseDown says whether the database answered the last attempt.
+	DatabaseDown(down bool)
+	// PublishDeadLetter writes the dead-letter copy of rec, described by
+	// info, and returns once the broker confirmed it durable (all in-sync
+	// replicas' acks; JetStream's PubAck). It retries failures itself and
+	// reports false only when ctx ends or the source stops first. ctx
+	// carries the dead-letter "send" span: inject it into the copy.
+	PublishDeadLetter(ctx context.Context, rec *kgo.Record, info *dlq.Info) bool
+	// Settle acknowledges the record once its transaction committed (or it
+	// was a duplicate), or, with deadLettered, once its dead-letter copy
+	// is confirmed and recorded in the inbox. It reports false when the
+	// source stops there (a test's crash point).
+	Settle(ctx context.Context, rec *kgo.Record, deadLettered bool) bool
+}
+
+// deliver is the record path: it runs attempts for rec, each one
+// transaction (attempt), until one commits or the id is a duplicate
+// (Settle), or the failure dead-letters it (deadLetter); a contended
+// attempt or one that found the database unreachable runs again
+// (src.Pause) without spending an attempt; any other failure spends one and
+// retries after a backoff (src.Retry). It reports whether rec is finished
+// here: false when src stopped first, or handed rec back to the broker.
+// prior, when not nil, is an attempt already made and failed (in a batch
+// transaction); it counts.
+func (c *Consumer) deliver(ctx context.Context, rec *kgo.Record, src Source, prior *result) bool {
 	var f failure
+	f.attempts = src.Spent()
+	if prior == nil && f.attempts >= c.cfg.MaxAttempts {
+		return c.deliveredOut(ctx, rec, src, f)
+	}
 	contended := 0
 	for n := 1; ; n++ {
 		var res result
 		if n == 1 && prior != nil {
 			res = *prior
 		} else {
-			if !w.acquire() {
+			sl, slotted := src.(slotter)
+			if slotted && !sl.acquire() {
 				return false
 			}
-			res = c.attempt(w.ctx, rec, f.attempts+1)
-			w.release()
+			res = c.attempt(ctx, rec, f.attempts+1)
+			if slotted {
+				sl.release()
+			}
 		}
 		switch {
 		case res.err == nil:
-			w.databaseDown(false)
+			src.DatabaseDown(false)
 			if res.duplicate {
 				c.duplicates.Add(1)
-				c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
+				c.metrics.duplicates.Add(ctx, 1, c.topicAttrs(rec))
 			} else {
 				c.processed.Add(1)
-				w.r.firstCommit()
+				c.firstCommit()
 			}
-			return w.hook(w.r.hooks.AfterCommit, rec)
-		case w.ctx.Err() != nil:
+			return src.Settle(ctx, rec, false)
+		case ctx.Err() != nil:
 			return false // abandoned: the transaction rolled back
 		case res.contention:
 			// Lost to another transaction: not the record's fault. Again,
 			// soon, attempts unspent.
-			w.databaseDown(false)
+			src.DatabaseDown(false)
 			contended++
-			c.contended(w.ctx, rec, 1)
-			if !w.sleep(contentionBackoff.Delay(contended)) {
+			c.contended(ctx, rec, 1)
+			if !src.Pause(contentionBackoff.Delay(contended)) {
 				return false
 			}
 			continue
 		case res.infra:
-			w.databaseDown(true)
+			src.DatabaseDown(true)
 		default:
-			w.databaseDown(false)
+			src.DatabaseDown(false)
 			f.fail(res)
 			if class, ok := deadLetterClass(res.err, f.attempts, c.cfg.MaxAttempts); ok {
 				f.class = class
-				return w.deadLetter(rec, res.id, f)
+				return c.deadLetter(ctx, rec, res.id, f, src, isRedrive(rec))
 			}
 		}
 		c.retries.Add(1)
-		c.metrics.retries.Add(w.ctx, 1, c.topicAttrs(rec))
-		delay := c.backoff.Delay(n)
+		c.metrics.retries.Add(ctx, 1, c.topicAttrs(rec))
+		delay := c.backoff.Delay(n + src.Spent())
 		args := []any{"topic", rec.Topic, "partition", rec.Partition,
-			"offset", rec.Offset, "message_id", res.id, "attempt", n, "database", res.infra, "delay", delay, "err", res.err}
+			"offset", rec.Offset, "message_id", res.id, "attempt", n + src.Spent(), "database", res.infra, "delay", delay, "err", res.err}
 		if res.infra {
 			// The database is unreachable: every partition's records fail
-			// alike until it is back.
-			c.outage.Warn(w.ctx, "oncely attempt failed on the database; retrying", args...)
-		} else {
-			c.cfg.Logger.Warn("oncely attempt failed; retrying", args...)
+			// alike until it is back. It spends no attempt: the record
+			// waits here, whatever the broker does.
+			c.outage.Warn(ctx, "oncely attempt failed on the database; retrying", args...)
+			if !src.Pause(delay) {
+				return false
+			}
+			continue
 		}
-		if !w.sleep(delay) {
+		c.cfg.Logger.Warn("oncely attempt failed; retrying", args...)
+		if !src.Retry(ctx, delay) {
 			return false
 		}
 	}
+}
+
+// NewRecordPath returns a Consumer that joins no Kafka group: only the
+// record path, for a broker adapter (package natsconsumer) that fetches
+// messages itself and hands each to Deliver with its Source. system is the
+// broker's messaging.system ("nats"). A message is given as a *kgo.Record:
+// Topic the name it was published to, Offset its sequence in the broker,
+// Headers its headers (the trace context among them), Timestamp when it was
+// stored. Of cfg, the Kafka group's fields (Brokers, Topics, ClientOpts,
+// offsets, batch and key modes, Concurrency) are not used; DeadLetterTopic
+// names a message's dead-letter destination in spans and logs; crash-loop
+// detection is off (CrashLoopLimit -1): the broker's delivery count, through
+// Source.Spent, stands for it.
+func NewRecordPath(cfg Config, system string) (*Consumer, error) {
+	if system == "" {
+		return nil, fmt.Errorf("%w: system: a messaging.system name is required", ErrInvalidConfig)
+	}
+	cfg.system = system
+	cfg.CrashLoopLimit = -1
+	return New(cfg)
+}
+
+// Deliver runs rec through the record path with src (see Source and
+// NewRecordPath): one transaction per attempt whose first statement claims
+// the message id; the handler runs only for a new claim; src settles rec
+// only after COMMIT, or after its dead-letter copy was confirmed and
+// recorded. It reports whether rec was settled here: false when ctx ended,
+// or src stopped or handed it back to the broker for redelivery. Call it
+// for one message at a time per goroutine; messages may run concurrently.
+func (c *Consumer) Deliver(ctx context.Context, rec *kgo.Record, src Source) bool {
+	c.metrics.consumed.Add(ctx, 1, c.topicAttrs(rec))
+	c.checkID(ctx, rec)
+	return c.deliver(ctx, rec, src, nil)
+}
+
+// CheckSchema is Run's start-up check, for a Consumer of NewRecordPath: it
+// fails with ErrNotMigrated naming each table of the record path (the inbox,
+// the redrive grants) that does not exist in Config.Schema.
+func (c *Consumer) CheckSchema(ctx context.Context) error { return c.checkTables(ctx) }
+
+// deliveredOut settles a record that the broker delivered MaxAttempts
+// times already (Source.Spent) without any attempt settling it: each one
+// ended with its process, or its connection, before a verdict (a crash
+// loop), or only the acknowledgement of a finished one was lost. The inbox
+// tells which: a processed id is a duplicate, a dead-lettered one was
+// dead-lettered before; else it is dead-lettered as a crash loop without
+// running again.
+func (c *Consumer) deliveredOut(ctx context.Context, rec *kgo.Record, src Source, f failure) bool {
+	id, err := c.messageID(rec)
+	if err != nil {
+		id = c.fallbackID(rec)
+	}
+	var o dedup.Outcome
+	found := false
+	if !c.untilDatabase(ctx, src, func() error {
+		var err error
+		o, err = c.inbox.Lookup(ctx, c.cfg.Pool, c.cfg.Group, id)
+		found = err == nil
+		if err != nil && !errors.Is(err, dedup.ErrNotClaimed) && !databaseFailed(err) && !isContention(err) {
+			// Not an outage: waiting would not end it. Not found, as far
+			// as anyone can tell: dead-lettered (a row present keeps it).
+			c.outage.Log(ctx, slog.LevelError, "oncely dead-letter lookup failed",
+				"oncely inbox lookup of a record delivered out failed", "topic", rec.Topic,
+				"offset", rec.Offset, "message_id", id, "err", err)
+			return nil
+		}
+		if errors.Is(err, dedup.ErrNotClaimed) {
+			return nil
+		}
+		return err
+	}) {
+		return false
+	}
+	if found {
+		c.duplicates.Add(1)
+		c.metrics.duplicates.Add(ctx, 1, c.topicAttrs(rec))
+		return src.Settle(ctx, rec, o == dedup.DeadLettered)
+	}
+	now := time.Now()
+	f.class, f.first, f.last = dlq.ClassCrashLoop, now, now
+	f.err = fmt.Errorf("consumer: delivered %d times and no attempt finished (MaxAttempts %d): the process or its connection died while running it",
+		f.attempts, c.cfg.MaxAttempts)
+	c.crashLoops.Add(1)
+	return c.deadLetter(ctx, rec, id, f, src, isRedrive(rec))
+}
+
+// slotter is a Source whose attempts take a transaction slot
+// (Config.Concurrency) of the run.
+type slotter interface {
+	acquire() bool
+	release()
 }
 
 // failure accumulates what a dead-letter record says about the failures.
@@ -1062,12 +1225,86 @@ func (f *failure) fail(res result) {
 	f.attempts++
 }
 
-// deadLetter writes rec to its dead-letter topic, waits for the acks of all
-// in-sync replicas, records the id as dead-lettered in the inbox, and only
-// then lets the caller mark the offset. Failures are retried with backoff;
-// meanwhile the partition waits. It returns false if the worker was stopped
-// or abandoned first: the offset is not marked and the record is delivered
-// again to whoever owns the partition next.
+// deadLetter has src write rec's dead-letter copy and wait for the broker's
+// confirmation, records the id as dead-lettered in the inbox, and only then
+// settles rec (marks the Kafka offset; terminates the JetStream message).
+// Meanwhile the record waits. redrive says whether the inbox row may use up
+// a redrive grant (matched by the record's dlq.HeaderRedrive ref). It
+// returns false if ctx ended or src stopped first: rec is not settled and
+// is delivered again.
+func (c *Consumer) deadLetter(ctx context.Context, rec *kgo.Record, id string, f failure, src Source, redrive bool) bool {
+	info := &dlq.Info{
+		Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset, Timestamp: rec.Timestamp,
+		Group: c.cfg.Group, MessageID: id, Attempts: f.attempts, FirstFailure: f.first, LastFailure: f.last,
+		Class: f.class, Error: f.err.Error(), TraceParent: f.traceparent, TraceState: f.tracestate,
+	}
+	topic := c.cfg.DeadLetterTopic(rec.Topic)
+	sendCtx, span := c.startSendSpan(ctx, topic, f.span, id)
+	span.SetAttributes(telemetry.DLQClass.String(string(f.class)))
+	published := src.PublishDeadLetter(sendCtx, rec, info)
+	span.End()
+	if !published {
+		return false
+	}
+	ref, _ := redriveRef(rec)
+	entry := dedup.Entry{Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition,
+		Offset: rec.Offset, Outcome: dedup.DeadLettered, Redrive: redrive, RedriveRef: ref}
+	if !c.recordDeadLettered(ctx, rec, entry, src) {
+		return false
+	}
+	c.deadLettered.Add(1)
+	c.metrics.deadLettered.Add(ctx, 1, metric.WithAttributes(c.system,
+		telemetry.MessagingConsumerGroup.String(c.cfg.Group), telemetry.MessagingDestination.String(rec.Topic),
+		telemetry.DLQClass.String(string(f.class))))
+	c.cfg.Logger.Warn("oncely record dead-lettered", "topic", rec.Topic, "partition", rec.Partition,
+		"offset", rec.Offset, "message_id", id, "class", f.class, "attempts", f.attempts, "dlq_topic", topic, "err", f.err)
+	return src.Settle(ctx, rec, true)
+}
+
+// untilDatabase runs stmt until the database answers it, waiting with
+// backoff meanwhile (the record waits). It reports false when ctx ended or
+// src stopped first.
+func (c *Consumer) untilDatabase(ctx context.Context, src Source, stmt func() error) bool {
+	for n := 1; ; n++ {
+		err := stmt()
+		if err == nil {
+			src.DatabaseDown(false)
+			return true
+		}
+		if ctx.Err() != nil {
+			return false
+		}
+		src.DatabaseDown(true)
+		if !src.Pause(c.backoff.Delay(n)) {
+			return false
+		}
+	}
+}
+
+// kafkaSource is the Kafka partition worker as a Source: a failed record
+// runs again in the worker after its backoff, a finished one's offset is
+// marked by the worker's loop, and a dead-letter copy is produced to the
+// dead-letter topic with all in-sync replicas' acks.
+type kafkaSource struct{ w *worker }
+
+func (s kafkaSource) Spent() int                                    { return 0 }
+func (s kafkaSource) Pause(d time.Duration) bool                    { return s.w.sleep(d) }
+func (s kafkaSource) Retry(_ context.Context, d time.Duration) bool { return s.w.sleep(d) }
+func (s kafkaSource) DatabaseDown(down bool)                        { s.w.databaseDown(down) }
+func (s kafkaSource) acquire() bool                                 { return s.w.acquire() }
+func (s kafkaSource) release()                                      { s.w.release() }
+
+// Settle runs the crash-point hook; the caller marks the offset.
+func (s kafkaSource) Settle(_ context.Context, rec *kgo.Record, deadLettered bool) bool {
+	if deadLettered {
+		return s.w.hook(s.w.r.hooks.AfterDeadLetter, rec)
+	}
+	return s.w.hook(s.w.r.hooks.AfterCommit, rec)
+}
+
+// deadLetter dead-letters rec from the partition worker. An oversized
+// record was never claimed: a redelivery of one already dead-lettered (or
+// processed) is recognised here, unless an operator redrove it.
 func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 	c := w.r.c
 	ref, redrive := redriveRef(rec)
@@ -1110,15 +1347,16 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 			}
 		}
 	}
-	info := &dlq.Info{
-		Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset, Timestamp: rec.Timestamp,
-		Group: c.cfg.Group, MessageID: id, Attempts: f.attempts, FirstFailure: f.first, LastFailure: f.last,
-		Class: f.class, Error: f.err.Error(), TraceParent: f.traceparent, TraceState: f.tracestate,
-	}
+	return c.deadLetter(w.ctx, rec, id, f, kafkaSource{w}, redrive)
+}
+
+// PublishDeadLetter produces rec's dead-letter copy and waits for the acks
+// of all in-sync replicas, retrying with backoff while the partition waits.
+func (s kafkaSource) PublishDeadLetter(sendCtx context.Context, rec *kgo.Record, info *dlq.Info) bool {
+	w := s.w
+	c := w.r.c
 	topic := c.cfg.DeadLetterTopic(rec.Topic)
-	sendCtx, span := c.startSendSpan(w.ctx, topic, f.span, id)
-	defer span.End()
-	span.SetAttributes(telemetry.DLQClass.String(string(f.class)))
+	span := trace.SpanFromContext(sendCtx)
 	stub, tooLarge := false, 0
 	for n := 1; ; n++ {
 		out := dlq.NewRecord(topic, rec, info, c.cfg.DeadLetterHeaders) // a fresh record per produce
@@ -1137,7 +1375,7 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 		if err == nil {
 			c.metrics.sent.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka, telemetry.MessagingDestination.String(topic)))
 			w.deadLetterDown("")
-			break
+			return true
 		}
 		c.metrics.sent.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka, telemetry.MessagingDestination.String(topic),
 			telemetry.ErrorType.String("produce")))
@@ -1172,18 +1410,6 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 			return false
 		}
 	}
-	entry := dedup.Entry{Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition,
-		Offset: rec.Offset, Outcome: dedup.DeadLettered, Redrive: redrive, RedriveRef: ref}
-	if !w.recordDeadLettered(rec, entry) {
-		return false
-	}
-	c.deadLettered.Add(1)
-	c.metrics.deadLettered.Add(w.ctx, 1, metric.WithAttributes(telemetry.Kafka,
-		telemetry.MessagingConsumerGroup.String(c.cfg.Group), telemetry.MessagingDestination.String(rec.Topic),
-		telemetry.DLQClass.String(string(f.class))))
-	c.cfg.Logger.Warn("oncely record dead-lettered", "topic", rec.Topic, "partition", rec.Partition,
-		"offset", rec.Offset, "message_id", id, "class", f.class, "attempts", f.attempts, "dlq_topic", topic, "err", f.err)
-	return w.hook(w.r.hooks.AfterDeadLetter, rec)
 }
 
 // deadLetterRowAttempts bounds the attempts at a dead-lettered record's
@@ -1203,25 +1429,24 @@ const deadLetterRowAttempts = 5
 // after deadLetterRowAttempts such failures the record goes without its
 // row, which only costs a later redelivery of the id one more run and
 // dead-letter copy: its copy is durable, so the offset may pass it. It
-// returns false if the worker was stopped or abandoned first.
-func (w *worker) recordDeadLettered(rec *kgo.Record, entry dedup.Entry) bool {
-	c := w.r.c
+// returns false if ctx ended or src stopped first.
+func (c *Consumer) recordDeadLettered(ctx context.Context, rec *kgo.Record, entry dedup.Entry, src Source) bool {
 	failed := 0
 	for n := 1; ; n++ {
-		_, err := c.inbox.Claim(w.ctx, c.cfg.Pool, entry)
+		_, err := c.inbox.Claim(ctx, c.cfg.Pool, entry)
 		if err == nil {
 			break
 		}
-		if w.ctx.Err() != nil {
+		if ctx.Err() != nil {
 			return false
 		}
 		args := []any{"topic", rec.Topic, "partition", rec.Partition, "offset", rec.Offset,
 			"message_id", entry.MessageID, "err", err}
 		if databaseFailed(err) || isContention(err) {
-			w.databaseDown(databaseFailed(err))
-			c.outage.Warn(w.ctx, "oncely dead-letter inbox row failed on the database; retrying", args...)
+			src.DatabaseDown(databaseFailed(err))
+			c.outage.Warn(ctx, "oncely dead-letter inbox row failed on the database; retrying", args...)
 		} else {
-			w.databaseDown(false)
+			src.DatabaseDown(false)
 			failed++
 			if failed >= deadLetterRowAttempts {
 				c.cfg.Logger.Error("oncely dead-lettered record left without its inbox row; a redelivery of its id runs again",
@@ -1233,13 +1458,13 @@ func (w *worker) recordDeadLettered(rec *kgo.Record, entry dedup.Entry) bool {
 				entry.Redrive = false
 				msg = "oncely dead-letter inbox row with a redrive grant failed; retrying without the grant"
 			}
-			c.outage.Log(w.ctx, slog.LevelError, "oncely dead-letter inbox row failed", msg, args...)
+			c.outage.Log(ctx, slog.LevelError, "oncely dead-letter inbox row failed", msg, args...)
 		}
-		if !w.sleep(c.backoff.Delay(n)) {
+		if !src.Pause(c.backoff.Delay(n)) {
 			return false
 		}
 	}
-	w.databaseDown(false)
+	src.DatabaseDown(false)
 	return true
 }
 
@@ -1414,11 +1639,15 @@ func (c *Consumer) startProcessSpan(ctx context.Context, rec *kgo.Record, id str
 	ctx, span := c.tracer.Start(ctx, "process "+rec.Topic, opts...)
 	if span.IsRecording() {
 		span.SetAttributes(
-			telemetry.MessagingPartition.String(strconv.FormatInt(int64(rec.Partition), 10)),
-			telemetry.MessagingKafkaOffset.Int64(rec.Offset),
 			telemetry.MessagingMessageID.String(id),
 			telemetry.Attempt.Int(attempt),
 		)
+		if c.cfg.system == "" { // a Kafka record's own
+			span.SetAttributes(
+				telemetry.MessagingPartition.String(strconv.FormatInt(int64(rec.Partition), 10)),
+				telemetry.MessagingKafkaOffset.Int64(rec.Offset),
+			)
+		}
 		if c.cfg.RecordKeyAttribute && rec.Key != nil {
 			span.SetAttributes(telemetry.MessagingKafkaKey.String(string(rec.Key)))
 		}
@@ -1433,7 +1662,7 @@ func (c *Consumer) spanStartAttrs(topic string) trace.SpanStartEventOption {
 		return o.(trace.SpanStartEventOption)
 	}
 	o, _ := c.spanAttrs.LoadOrStore(topic, trace.WithAttributes(
-		telemetry.Kafka,
+		c.system,
 		telemetry.MessagingDestination.String(topic),
 		telemetry.MessagingOperationType.String("process"),
 		telemetry.MessagingOperationName.String("process"),

@@ -70,7 +70,7 @@ func newInstruments(m metric.Meter, cfg *Config) (*instruments, error) {
 	in.inboxRows, err = m.Int64ObservableGauge("oncely.inbox.rows_estimate", metric.WithUnit("{row}"),
 		metric.WithDescription("Rows in the inbox table: the planner's estimate scaled to the table's size, or an exact count (at most every 30s) while the table has no statistics."))
 	add(err)
-	in.base = metric.WithAttributes(telemetry.Kafka, telemetry.MessagingConsumerGroup.String(cfg.Group))
+	in.base = metric.WithAttributes(systemAttr(cfg), telemetry.MessagingConsumerGroup.String(cfg.Group))
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("consumer: metrics: %w", err)
 	}
@@ -151,7 +151,7 @@ func (c *Consumer) metricAttrs(k attrKey) metric.MeasurementOption {
 	if o, ok := c.attrSets.Load(k); ok {
 		return o.(metric.MeasurementOption)
 	}
-	kv := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingConsumerGroup.String(c.cfg.Group),
+	kv := []attribute.KeyValue{c.system, telemetry.MessagingConsumerGroup.String(c.cfg.Group),
 		telemetry.MessagingDestination.String(k.topic)}
 	if k.process {
 		kv = append(kv, telemetry.MessagingOperationName.String("process"))
@@ -167,7 +167,7 @@ func (c *Consumer) metricAttrs(k attrKey) metric.MeasurementOption {
 // of the failed attempt and linked to it.
 func (c *Consumer) startSendSpan(ctx context.Context, topic string, failed trace.SpanContext, id string) (context.Context, trace.Span) {
 	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
-		telemetry.Kafka, telemetry.MessagingDestination.String(topic),
+		c.system, telemetry.MessagingDestination.String(topic),
 		telemetry.MessagingOperationType.String("send"), telemetry.MessagingOperationName.String("send"),
 		telemetry.MessagingMessageID.String(id))}
 	if failed.IsValid() {
@@ -175,4 +175,13 @@ func (c *Consumer) startSendSpan(ctx context.Context, topic string, failed trace
 		opts = append(opts, trace.WithLinks(trace.Link{SpanContext: failed}))
 	}
 	return c.tracer.Start(ctx, "send "+topic, opts...)
+}
+
+// systemAttr is messaging.system of cfg's consumer: kafka, or the broker a
+// record path was made for (NewRecordPath).
+func systemAttr(cfg *Config) attribute.KeyValue {
+	if cfg.system == "" {
+		return telemetry.Kafka
+	}
+	return telemetry.MessagingSystem.String(cfg.system)
 }
