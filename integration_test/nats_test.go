@@ -1,0 +1,474 @@
+package integration_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/sqlident"
+	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/testhook"
+	"github.com/oncely/oncely/natsconsumer"
+)
+
+// natsURL is the JetStream server the tests use (.ci/run starts it).
+const natsURL = "nats://127.0.0.1:4222"
+
+// natsEnv is one test's JetStream stream, its dead-letter stream (both
+// deleted when the test ends) and its Postgres schema with an effects table.
+type natsEnv struct {
+	t       *testing.T
+	db      *testenv.DB
+	js      jetstream.JetStream
+	stream  string // the stream; its subjects are stream + ".>"
+	dlq     string // the dead-letter stream; subjects "dlq." + stream + ".>"
+	subject string // the subject the tests publish to
+}
+
+func newNATSEnv(t *testing.T) *natsEnv {
+	t.Helper()
+	ctx := t.Context()
+	db := testenv.Migrated(t)
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE effects (message_id text NOT NULL, member text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	nc := natsConn(t)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := strings.ToUpper(strings.NewReplacer("-", "_", ".", "_").Replace(testenv.UniqueName("oncely")))
+	e := &natsEnv{t: t, db: db, js: js, stream: name, dlq: name + "_DLQ", subject: name + ".orders"}
+	for stream, subject := range map[string]string{e.stream: name + ".>", e.dlq: "dlq." + name + ".>"} {
+		if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{subject}}); err != nil {
+			t.Fatalf("create stream %s: %v", stream, err)
+		}
+		t.Cleanup(func() {
+			dctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			if err := js.DeleteStream(dctx, stream); err != nil {
+				t.Errorf("delete stream %s: %v", stream, err)
+			}
+		})
+	}
+	return e
+}
+
+// natsConn is a connection of the test's own, closed when it ends.
+func natsConn(t *testing.T) *nats.Conn {
+	t.Helper()
+	nc, err := nats.Connect(natsURL, nats.MaxReconnects(0))
+	if err != nil {
+		t.Fatalf("connect to NATS at %s (is nats-server -js running?): %v", natsURL, err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
+// config is a consumer of the test's stream on a connection of its own.
+func (e *natsEnv) config(js jetstream.JetStream, h consumer.Handler) natsconsumer.Config {
+	return natsconsumer.Config{
+		JetStream: js, Stream: e.stream, Durable: "workers", Pool: e.db.Pool, Schema: e.db.Schema, Handler: h,
+		RetryBaseDelay: 10 * time.Millisecond, RetryMaxDelay: 50 * time.Millisecond,
+		AckWait: time.Second, ShutdownTimeout: 5 * time.Second,
+	}
+}
+
+// ownJetStream is a JetStream context on a new connection: one process.
+func (e *natsEnv) ownJetStream() (*nats.Conn, jetstream.JetStream) {
+	nc := natsConn(e.t)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return nc, js
+}
+
+// natsEffect records one effect per handler run.
+func natsEffect(member string) consumer.Handler {
+	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		_, err := tx.Exec(ctx, `INSERT INTO effects (message_id, member) VALUES ($1, $2)`, msg.ID, member)
+		return err
+	}
+}
+
+// start runs a consumer of cfg until the test ends; the channel gets Run's
+// error.
+func (e *natsEnv) start(ctx context.Context, cfg natsconsumer.Config) (*natsconsumer.Consumer, <-chan error) {
+	e.t.Helper()
+	c, err := natsconsumer.New(cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done, stopped := make(chan error, 1), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		done <- c.Run(ctx)
+	}()
+	e.t.Cleanup(func() {
+		cancel()
+		select {
+		case <-stopped:
+		case <-time.After(15 * time.Second):
+			e.t.Error("nats consumer did not stop")
+		}
+	})
+	return c, done
+}
+
+// publish stores a message with headers and waits for its PubAck.
+func (e *natsEnv) publish(subject, data string, headers map[string]string) {
+	e.t.Helper()
+	m := nats.NewMsg(subject)
+	m.Data = []byte(data)
+	for k, v := range headers {
+		m.Header.Set(k, v)
+	}
+	if _, err := e.js.PublishMsg(e.t.Context(), m); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *natsEnv) count(sql string, args ...any) int64 {
+	e.t.Helper()
+	var n int64
+	if err := e.db.Pool.QueryRow(e.t.Context(), sql, args...).Scan(&n); err != nil {
+		e.t.Fatal(err)
+	}
+	return n
+}
+
+// settled waits until the durable has no message pending or unacknowledged.
+func (e *natsEnv) settled() {
+	e.t.Helper()
+	testenv.Eventually(e.t, 30*time.Second, "every message acknowledged or terminated", func() bool {
+		c, err := e.js.Consumer(e.t.Context(), e.stream, "workers")
+		if err != nil {
+			return false
+		}
+		info, err := c.Info(e.t.Context())
+		return err == nil && info.NumPending == 0 && info.NumAckPending == 0 && info.NumRedelivered == 0
+	})
+}
+
+// deadLetters waits for n messages in the dead-letter stream and returns them.
+func (e *natsEnv) deadLetters(n int) []jetstream.Msg {
+	e.t.Helper()
+	c, err := e.js.CreateOrUpdateConsumer(e.t.Context(), e.dlq, jetstream.ConsumerConfig{AckPolicy: jetstream.AckNonePolicy})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	var out []jetstream.Msg
+	deadline := time.Now().Add(30 * time.Second)
+	for len(out) < n && time.Now().Before(deadline) {
+		batch, err := c.Fetch(n-len(out), jetstream.FetchMaxWait(time.Second))
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		for m := range batch.Messages() {
+			out = append(out, m)
+		}
+	}
+	if len(out) != n {
+		e.t.Fatalf("%d dead letters, want %d", len(out), n)
+	}
+	return out
+}
+
+// effects fails the test unless the handlers' effects number want.
+func (e *natsEnv) effects(want int64) {
+	e.t.Helper()
+	if n := e.count(`SELECT count(*) FROM effects`); n != want {
+		e.t.Fatalf("%d effects, want %d", n, want)
+	}
+}
+
+// waitForBlockedClaim waits until an inbox claim waits on another
+// transaction's lock.
+func (e *natsEnv) waitForBlockedClaim() {
+	e.t.Helper()
+	pattern := "INSERT INTO " + sqlident.Table(e.db.Schema, "inbox") + "%"
+	testenv.Eventually(e.t, 30*time.Second, "an inbox claim to wait on another transaction", func() bool {
+		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1`, pattern) > 0
+	})
+}
+
+// 25 deliveries of one message id (a producer's duplicates: 25 stored
+// messages, all with the same message-id header) run at once: one effect,
+// 24 duplicates, every delivery acknowledged.
+func TestNATSConcurrentDuplicatesOneEffect(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	for range 25 {
+		e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
+	}
+	cfg := e.config(e.js, natsEffect("a"))
+	cfg.Concurrency = 25
+	c, _ := e.start(t.Context(), cfg)
+	e.settled()
+	e.effects(1)
+	if st := c.Stats(); st.Processed != 1 || st.Duplicates != 24 {
+		t.Fatalf("processed %d, duplicates %d; want 1 and 24", st.Processed, st.Duplicates)
+	}
+}
+
+// The process dies between COMMIT and the acknowledgement: JetStream
+// delivers the message again to the next process, which finds the id in
+// the inbox and runs no second effect.
+func TestNATSCrashBetweenCommitAndAck(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "order-1"})
+
+	nc1, js1 := e.ownJetStream()
+	crashed := false
+	ctx := testhook.WithConsumer(t.Context(), &testhook.Consumer{AfterCommit: func(*kgo.Record) error {
+		crashed = true
+		return testhook.ErrCrash
+	}})
+	_, done := e.start(ctx, e.config(js1, natsEffect("first")))
+	select {
+	case err := <-done:
+		if !errors.Is(err, testhook.ErrCrash) || !crashed {
+			t.Fatalf("first process: %v, want the simulated crash", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("first process did not crash")
+	}
+	nc1.Close() // the process is gone with its connection
+
+	_, js2 := e.ownJetStream()
+	second, _ := e.start(t.Context(), e.config(js2, natsEffect("second")))
+	e.settled()
+	e.effects(1)
+	if n := e.count(`SELECT count(*) FROM effects WHERE member = 'first'`); n != 1 {
+		t.Fatalf("the crashed process's effect is missing (%d)", n)
+	}
+	if st := second.Stats(); st.Duplicates != 1 || st.Processed != 0 {
+		t.Fatalf("second process: processed %d, duplicates %d; want 0 and 1", st.Processed, st.Duplicates)
+	}
+}
+
+// Two processes run one message id at the same time (a producer's
+// duplicate, one copy each): the second's claim waits on the first's
+// transaction, and only one effect happens.
+func TestNATSTwoConsumersRaceOneEffect(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
+	e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
+
+	var first atomic.Bool
+	h := func(member string) consumer.Handler {
+		return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+			if first.CompareAndSwap(false, true) {
+				e.waitForBlockedClaim() // the other process's claim waits on ours
+			}
+			return natsEffect(member)(ctx, tx, msg)
+		}
+	}
+	var cs []*natsconsumer.Consumer
+	for _, member := range []string{"a", "b"} {
+		_, js := e.ownJetStream()
+		c, _ := e.start(t.Context(), e.config(js, h(member)))
+		cs = append(cs, c)
+	}
+	e.settled()
+	e.effects(1)
+	a, b := cs[0].Stats(), cs[1].Stats()
+	if a.Processed+b.Processed != 1 || a.Duplicates+b.Duplicates != 1 {
+		t.Fatalf("processed %d+%d, duplicates %d+%d; want 1 and 1", a.Processed, b.Processed, a.Duplicates, b.Duplicates)
+	}
+}
+
+// A poison message (the handler's dlq.Permanent error) goes to the
+// dead-letter stream at once, with its data, its headers and its
+// provenance, is recorded as dead-lettered, and the original is terminated.
+func TestNATSPoisonToDeadLetterStream(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	e.publish(e.subject, "not an order", map[string]string{nats.MsgIdHdr: "poison-1", "tenant": "acme"})
+	var runs atomic.Int32
+	_, _ = e.start(t.Context(), e.config(e.js, func(context.Context, pgx.Tx, *consumer.Message) error {
+		runs.Add(1)
+		return dlq.Permanent(errors.New("order has no id"))
+	}))
+	out := e.deadLetters(1)[0]
+	e.settled()
+	want := map[string]string{
+		natsconsumer.HeaderStream: e.stream, natsconsumer.HeaderSubject: e.subject,
+		natsconsumer.HeaderSequence: "1", natsconsumer.HeaderDeliveryCount: "1", natsconsumer.HeaderConsumer: "workers",
+		dlq.HeaderErrorClass: string(dlq.ClassPermanent), dlq.HeaderMessageID: "poison-1", dlq.HeaderAttempts: "1",
+		dlq.HeaderGroup: "workers", "tenant": "acme",
+	}
+	for k, v := range want {
+		if got := out.Headers().Get(k); got != v {
+			t.Errorf("dead letter header %s = %q, want %q", k, got, v)
+		}
+	}
+	if got := out.Headers().Get(dlq.HeaderError); !strings.Contains(got, "order has no id") {
+		t.Errorf("dead letter error header %q", got)
+	}
+	if string(out.Data()) != "not an order" || out.Subject() != "dlq."+e.subject {
+		t.Errorf("dead letter %q on %s", out.Data(), out.Subject())
+	}
+	if runs.Load() != 1 {
+		t.Errorf("handler ran %d times, want 1", runs.Load())
+	}
+	if n := e.count(`SELECT count(*) FROM inbox WHERE message_id = 'poison-1' AND outcome = 'dead_lettered'`); n != 1 {
+		t.Errorf("inbox holds the dead letter %d times, want 1", n)
+	}
+}
+
+// A handler that keeps failing is handed back with NakWithDelay; each
+// redelivery's attempt is JetStream's delivery count, and the MaxAttempts-th
+// failure dead-letters the message (class max_attempts).
+func TestNATSRetriesThenDeadLetter(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "flaky-1"})
+	var mu sync.Mutex
+	var attempts []int
+	cfg := e.config(e.js, func(_ context.Context, _ pgx.Tx, msg *consumer.Message) error {
+		mu.Lock()
+		attempts = append(attempts, msg.Attempt)
+		mu.Unlock()
+		return errors.New("payment service unavailable")
+	})
+	cfg.MaxAttempts = 3
+	c, _ := e.start(t.Context(), cfg)
+	out := e.deadLetters(1)[0]
+	e.settled()
+	mu.Lock()
+	defer mu.Unlock()
+	if len(attempts) != 3 || attempts[0] != 1 || attempts[1] != 2 || attempts[2] != 3 {
+		t.Fatalf("handler attempts %v, want [1 2 3]", attempts)
+	}
+	for k, v := range map[string]string{dlq.HeaderErrorClass: string(dlq.ClassMaxAttempts), dlq.HeaderAttempts: "3",
+		natsconsumer.HeaderDeliveryCount: "3"} {
+		if got := out.Headers().Get(k); got != v {
+			t.Errorf("dead letter header %s = %q, want %q", k, got, v)
+		}
+	}
+	if st := c.Stats(); st.Retries != 2 || st.DeadLettered != 1 {
+		t.Errorf("retries %d, dead-lettered %d; want 2 and 1", st.Retries, st.DeadLettered)
+	}
+}
+
+// A message whose attempts never reach a verdict (the process is stopped
+// mid-handler, each time past its ShutdownTimeout) is delivered again with
+// a higher delivery count; the delivery after MaxAttempts dead-letters it as
+// a crash loop without running the handler again.
+func TestNATSCrashLoopAcrossRestarts(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "killer-1"})
+	const maxAttempts = 2
+	var runs atomic.Int32
+	for i := range maxAttempts {
+		nc, js := e.ownJetStream()
+		entered := make(chan struct{})
+		cfg := e.config(js, func(ctx context.Context, _ pgx.Tx, _ *consumer.Message) error {
+			runs.Add(1)
+			close(entered)
+			<-ctx.Done() // never finishes: only the process's end stops it
+			return ctx.Err()
+		})
+		cfg.MaxAttempts, cfg.ShutdownTimeout = maxAttempts, 10*time.Millisecond
+		ctx, cancel := context.WithCancel(t.Context())
+		_, done := e.start(ctx, cfg)
+		select {
+		case <-entered:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("process %d never ran the handler", i)
+		}
+		cancel()
+		<-done
+		nc.Close()
+	}
+	_, js := e.ownJetStream()
+	cfg := e.config(js, natsEffect("last"))
+	cfg.MaxAttempts = maxAttempts
+	c, _ := e.start(t.Context(), cfg)
+	out := e.deadLetters(1)[0]
+	e.settled()
+	if got := out.Headers().Get(dlq.HeaderErrorClass); got != string(dlq.ClassCrashLoop) {
+		t.Errorf("class %q, want crash_loop", got)
+	}
+	if got := out.Headers().Get(natsconsumer.HeaderDeliveryCount); got != strconv.Itoa(maxAttempts+1) {
+		t.Errorf("delivery count %q, want %d", got, maxAttempts+1)
+	}
+	if runs.Load() != maxAttempts || e.count(`SELECT count(*) FROM effects`) != 0 {
+		t.Errorf("handler runs %d (want %d), effects %d (want 0)", runs.Load(), maxAttempts, e.count(`SELECT count(*) FROM effects`))
+	}
+	if st := c.Stats(); st.CrashLoops != 1 {
+		t.Errorf("crash loops %d, want 1", st.CrashLoops)
+	}
+}
+
+// The producer's trace context travels in NATS headers: the attempt's
+// "process <subject>" span continues it, with messaging.system=nats and the
+// messaging attributes.
+func TestNATSTraceContext(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+
+	pctx, producer := tp.Tracer("producer").Start(t.Context(), "send orders")
+	carrier := propagation.MapCarrier{}
+	propagation.TraceContext{}.Inject(pctx, carrier)
+	producer.End()
+	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "traced-1", "traceparent": carrier["traceparent"]})
+
+	cfg := e.config(e.js, natsEffect("a"))
+	cfg.TracerProvider = tp
+	_, _ = e.start(t.Context(), cfg)
+	e.settled()
+	var span sdktrace.ReadOnlySpan
+	testenv.Eventually(t, 10*time.Second, "the process span", func() bool {
+		for _, s := range rec.Ended() {
+			if s.Name() == "process "+e.subject {
+				span = s
+				return true
+			}
+		}
+		return false
+	})
+	if span.Parent().TraceID() != producer.SpanContext().TraceID() || span.Parent().SpanID() != producer.SpanContext().SpanID() {
+		t.Errorf("process span's parent %v, want the producer's span %v", span.Parent(), producer.SpanContext())
+	}
+	got := map[attribute.Key]string{}
+	for _, a := range span.Attributes() {
+		got[a.Key] = a.Value.Emit()
+	}
+	for k, v := range map[attribute.Key]string{
+		"messaging.system": "nats", "messaging.destination.name": e.subject, "messaging.consumer.group.name": "workers",
+		"messaging.message.id": "traced-1", "messaging.operation.type": "process", "oncely.dedup.outcome": "new",
+	} {
+		if got[k] != v {
+			t.Errorf("span attribute %s = %q, want %q", k, got[k], v)
+		}
+	}
+	if _, kafka := got["messaging.kafka.offset"]; kafka {
+		t.Error("a NATS span carries messaging.kafka.offset")
+	}
+}

@@ -1,0 +1,67 @@
+// Package natsconsumer is a durable NATS JetStream pull consumer whose
+// handler's effects happen once per (Durable, message id), although
+// JetStream delivers at least once. It runs consumer's record path
+// (consumer.Deliver): the same transaction, inbox claim, failure
+// classification, backoff, dead-letter decision, spans and metrics as the
+// Kafka consumer; only fetching, acknowledging and dead-letter publishing
+// are JetStream's.
+//
+// # What is guaranteed
+//
+// For each delivery:
+//
+//  1. BEGIN; INSERT the message id into the inbox (first statement, ON
+//     CONFLICT DO NOTHING); an id already there skips the handler; else
+//     the Handler runs in the transaction; COMMIT.
+//  2. Only after COMMIT is the message acknowledged, with DoubleAck (the
+//     server confirms the ack). A crash, a lost connection or a lost ack
+//     between COMMIT and the ack's confirmation makes JetStream deliver the
+//     message again (after AckWait); its id is in the inbox, so the
+//     handler does not run again. That redelivery is the one window in
+//     which a message is delivered twice; its effect never happens twice.
+//  3. A failure that is the message's or its handler's (an error, a panic,
+//     a constraint error, a handler timeout) rolls back and is handed back
+//     with NakWithDelay (exponential backoff, full jitter). JetStream's
+//     delivery count (message metadata) is the attempt count: deliveries
+//     that ended with a crash count as well, so a message that kills its
+//     process is seen across restarts. On the MaxAttempts-th failed
+//     delivery, or at once for dlq.Permanent and dlq.Undecodable errors,
+//     the message is dead-lettered; the consumer's MaxDeliver is
+//     MaxAttempts+1, and a delivery beyond MaxAttempts (none of the others
+//     reached a verdict) is dead-lettered as class crash_loop without
+//     running, unless the inbox already holds it.
+//  4. Contention (deadlock, serialization failure, lock timeout) and an
+//     unreachable database retry in place, spending no attempt; the
+//     message is kept from redelivery with InProgress meanwhile.
+//  5. A dead letter is published to DeadLetterSubject(subject) with the
+//     message's data and headers and provenance headers (HeaderStream,
+//     HeaderSubject, HeaderSequence, HeaderDeliveryCount, HeaderConsumer,
+//     and package dlq's group, message id, attempts, error class, error and
+//     trace context). Only after the DLQ stream's PubAck is the id recorded
+//     in the inbox as dead-lettered and the original terminated (Term). If
+//     the DLQ stream does not answer, the message waits (InProgress) and
+//     the publish is retried with backoff: it is never dropped. A crash
+//     between the PubAck and Term republishes the copy with the same
+//     Nats-Msg-Id, which the DLQ stream's duplicate window absorbs.
+//
+// The dedup id is the Nats-Msg-Id header, else Config.MessageIDHeader,
+// else "<stream>/<sequence>" (which dedups redeliveries, not a producer's
+// duplicate publish). The scope is the Durable: two durables process a
+// message independently.
+//
+// Trace context travels in the NATS headers traceparent and tracestate;
+// each attempt is a "process <subject>" CONSUMER span with
+// messaging.system=nats, linked to (and, unless UntrustedProducers,
+// parented by) the producer's context.
+//
+// # What is not guaranteed
+//
+// Order: messages run Concurrency at a time, and a retried message comes
+// back after later ones. A message redelivered because its AckWait passed
+// while its attempt still ran (a handler longer than AckWait whose
+// InProgress did not reach the server) runs a second attempt concurrently;
+// the inbox's unique index serialises the two and one of them is a
+// duplicate. A graceful stop finishes the attempts in progress; a delivery
+// abandoned at ShutdownTimeout counts as an attempt, as does every
+// redelivery.
+package natsconsumer
