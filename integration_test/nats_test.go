@@ -472,3 +472,34 @@ func TestNATSTraceContext(t *testing.T) {
 		t.Error("a NATS span carries messaging.kafka.offset")
 	}
 }
+
+// Run fails at start-up, naming what is wrong, when no stream captures the
+// dead-letter subject or the stream does not exist: a dead letter could
+// never be published, and the message would wait for ever.
+func TestNATSStartupChecks(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	for what, cfg := range map[string]natsconsumer.Config{
+		"DeadLetterSubject": func() natsconsumer.Config {
+			cfg := e.config(e.js, natsEffect("a"))
+			cfg.DeadLetterSubject = func(subject string) string { return "nowhere." + subject }
+			return cfg
+		}(),
+		"NO_SUCH_STREAM": func() natsconsumer.Config {
+			cfg := e.config(e.js, natsEffect("a"))
+			cfg.Stream = "NO_SUCH_STREAM"
+			return cfg
+		}(),
+	} {
+		c, err := natsconsumer.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		err = c.Run(ctx)
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), what) {
+			t.Errorf("Run: %v, want an error naming %s", err, what)
+		}
+	}
+}
