@@ -195,4 +195,15 @@
 // without a group-wide rebalance, and a short SessionTimeout moves a killed
 // member's partitions on quickly. Shutdown finishes in-flight records,
 // commits, and leaves the group as a bounded best effort (ShutdownTimeout).
+//
+// # Other brokers
+//
+// The record path (Consumer.deliver in consumer.go: the transaction, the
+// claim, the handler, the classification, the backoff, the dead-letter
+// decision, spans and metrics) is the same for every broker. What differs
+// is a Source: how a failed record comes back (the Kafka worker waits and
+// runs it again; JetStream is told NakWithDelay), how a finished one is
+// acknowledged, how a dead-letter copy is written and confirmed, and what
+// the broker counts of a record's deliveries. NewRecordPath and Deliver
+// give that path to an adapter; package natsconsumer is one.
 package consumer
