@@ -3,6 +3,7 @@ package integration_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -25,6 +26,7 @@ import (
 	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/internal/testhook"
 	"github.com/oncely/oncely/natsconsumer"
+	"github.com/oncely/oncely/outbox"
 )
 
 // natsURL is the JetStream server the tests use (.ci/run starts it).
@@ -500,6 +502,95 @@ func TestNATSStartupChecks(t *testing.T) {
 		cancel()
 		if err == nil || !strings.Contains(err.Error(), what) {
 			t.Errorf("Run: %v, want an error naming %s", err, what)
+		}
+	}
+}
+
+// The outbox relay publishes to JetStream with Nats-Msg-Id set to each
+// row's message id. A relay that dies after the PubAcks and before marking
+// the rows sent is followed by one that publishes them again: JetStream's
+// duplicate window stores each message once, in enqueue order per key.
+func TestNATSRelayPublishesWithMessageIDs(t *testing.T) {
+	t.Parallel()
+	e := newNATSEnv(t)
+	ctx := t.Context()
+	ob, err := outbox.New(outbox.Config{Schema: e.db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 20
+	var ids []string
+	tx, err := e.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		out, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: e.subject, Key: []byte("k" + strconv.Itoa(i%2)), Value: []byte(strconv.Itoa(i))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, out[0].MessageID)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	relay := func(ctx context.Context) (*outbox.Relay, <-chan error) {
+		r, err := outbox.NewRelay(outbox.RelayConfig{Outbox: outbox.Config{Schema: e.db.Schema}, Pool: e.db.Pool,
+			Publisher: natsconsumer.JetStreamPublisher{JetStream: e.js}, PollInterval: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- r.Run(ctx) }()
+		return r, done
+	}
+	var published atomic.Int64
+	_, done := relay(testhook.WithRelay(ctx, &testhook.Relay{AfterProduce: func(k int) error {
+		published.Add(int64(k))
+		return testhook.ErrCrash
+	}}))
+	if err := <-done; !errors.Is(err, testhook.ErrCrash) || published.Load() == 0 {
+		t.Fatalf("first relay: %v after %d published, want the simulated crash after a batch", err, published.Load())
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	second, done := relay(rctx)
+	testenv.Eventually(t, 30*time.Second, "the second relay to publish every row", func() bool {
+		return second.Stats().Published == n
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+
+	stream, err := e.js.Stream(ctx, e.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := stream.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != n {
+		t.Fatalf("stream holds %d messages, want %d: the republish was not deduplicated", info.State.Msgs, n)
+	}
+	// Per key, the stored order is the enqueue order; every id once.
+	byKey := map[string][]string{}
+	for seq := range uint64(n) {
+		m, err := stream.GetMsg(ctx, seq+1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		key := m.Header.Get(natsconsumer.HeaderKey)
+		byKey[key] = append(byKey[key], m.Header.Get(nats.MsgIdHdr))
+	}
+	for k := range 2 {
+		key := "k" + strconv.Itoa(k)
+		var want []string
+		for i := k; i < n; i += 2 {
+			want = append(want, ids[i])
+		}
+		if !slices.Equal(byKey[key], want) {
+			t.Errorf("key %s: stored ids %v, want %v (enqueue order, each once)", key, byKey[key], want)
 		}
 	}
 }

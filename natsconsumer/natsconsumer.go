@@ -307,7 +307,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		<-done
 	}
 	// pollCtx ended on its own cause only through fail.
-	if err := context.Cause(pollCtx); err != nil && err != context.Cause(ctx) {
+	if err := context.Cause(pollCtx); err != nil && !errors.Is(err, context.Cause(ctx)) {
 		c.cfg.Logger.Error("oncely nats consumer stopped", "err", err)
 		return err
 	}

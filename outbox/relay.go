@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -34,8 +35,12 @@ type RelayConfig struct {
 	Outbox Config
 	// Pool runs the relay's transactions. Required.
 	Pool *pgxpool.Pool
-	// Brokers are the seed brokers. Required.
+	// Brokers are the seed brokers. Required, unless Publisher is set.
 	Brokers []string
+	// Publisher, when set, publishes the rows instead of a Kafka producer:
+	// to another broker (package natsconsumer's JetStreamPublisher). The
+	// Kafka fields (Brokers, ClientOpts, ClientID) are then unused.
+	Publisher Publisher
 	// ClientOpts are extra franz-go options (TLS, SASL...), applied after
 	// the relay's own (a kgo.ClientID here wins over ClientID).
 	ClientOpts []kgo.Opt
@@ -124,7 +129,7 @@ func NewRelay(cfg RelayConfig) (*Relay, error) {
 	switch {
 	case cfg.Pool == nil:
 		return nil, errors.New("outbox: RelayConfig.Pool: a *pgxpool.Pool is required")
-	case len(cfg.Brokers) == 0:
+	case len(cfg.Brokers) == 0 && cfg.Publisher == nil:
 		return nil, errors.New("outbox: RelayConfig.Brokers: at least one seed broker is required")
 	case cfg.ProduceTimeout != 0 && cfg.ProduceTimeout < time.Second:
 		return nil, fmt.Errorf("outbox: RelayConfig.ProduceTimeout: must be at least 1s, got %s", cfg.ProduceTimeout)
@@ -247,20 +252,27 @@ func (r *Relay) Run(ctx context.Context) error {
 	if !r.started.CompareAndSwap(false, true) {
 		return errors.New("outbox: Relay.Run called more than once")
 	}
-	cl, err := kgo.NewClient(append([]kgo.Opt{
-		kgo.SeedBrokers(r.cfg.Brokers...),
-		kgo.RequiredAcks(kgo.AllISRAcks()), // idempotent by default
-		kgo.RecordDeliveryTimeout(r.cfg.ProduceTimeout),
-		kgo.ProducerLinger(0),
-		kgo.ClientID(r.cfg.ClientID),
-	}, r.cfg.ClientOpts...)...)
-	if err != nil {
-		return fmt.Errorf("outbox: kafka client: %w", err)
+	pub := r.cfg.Publisher
+	var cl *kgo.Client
+	if pub == nil {
+		var err error
+		cl, err = kgo.NewClient(append([]kgo.Opt{
+			kgo.SeedBrokers(r.cfg.Brokers...),
+			kgo.RequiredAcks(kgo.AllISRAcks()), // idempotent by default
+			kgo.RecordDeliveryTimeout(r.cfg.ProduceTimeout),
+			kgo.ProducerLinger(0),
+			kgo.ClientID(r.cfg.ClientID),
+		}, r.cfg.ClientOpts...)...)
+		if err != nil {
+			return fmt.Errorf("outbox: kafka client: %w", err)
+		}
+		defer cl.Close()
+		pub = kafkaPublisher{cl}
+		// Not ready until a broker answered: set before running, so that
+		// no moment of running shows the state of no check at all as
+		// ready.
+		r.brokers.Unchecked()
 	}
-	defer cl.Close()
-	// Not ready until a broker answered: set before running, so that no
-	// moment of running shows the state of no check at all as ready.
-	r.brokers.Unchecked()
 	r.running.Store(true)
 	defer r.running.Store(false)
 	hooks := testhook.RelayFrom(ctx)
@@ -284,16 +296,19 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer wg.Wait()
 	bg, stopBG := context.WithCancel(ctx) // the helpers stop however Run returns
 	defer stopBG()
-	wg.Add(3)
+	wg.Add(2)
 	go func() { defer wg.Done(); r.listen(bg, wake) }()
 	go func() { defer wg.Done(); r.cleanup(bg) }()
-	// Checked every PollInterval, or every brokerCheckInterval when that
-	// is shorter.
-	go func() {
-		defer wg.Done()
-		brokercheck.Watch(bg, cl, r.cfg.Brokers, max(min(r.cfg.PollInterval, brokerCheckInterval), 100*time.Millisecond),
-			&r.brokers, r.cfg.Logger, "oncely outbox relay")
-	}()
+	if cl != nil {
+		// Checked every PollInterval, or every brokerCheckInterval when
+		// that is shorter.
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			brokercheck.Watch(bg, cl, r.cfg.Brokers, max(min(r.cfg.PollInterval, brokerCheckInterval), 100*time.Millisecond),
+				&r.brokers, r.cfg.Logger, "oncely outbox relay")
+		}()
+	}
 
 	r.cfg.Logger.Info("oncely outbox relay started", "schema", r.outbox.schema, "shards", r.outbox.shards, "client_id", r.cfg.ClientID)
 	retryAt := map[int]time.Time{}
@@ -301,7 +316,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	poll := time.NewTimer(0)
 	defer poll.Stop()
 	for {
-		busy, next, crash := r.cycle(ctx, cl, hooks, retryAt, failures)
+		busy, next, crash := r.cycle(ctx, pub, hooks, retryAt, failures)
 		if crash != nil {
 			return fmt.Errorf("outbox: relay: %w", crash)
 		}
@@ -343,7 +358,7 @@ func debounce(ctx context.Context, d time.Duration) {
 // cycle publishes one batch of every shard with pending rows that is not
 // backing off. busy reports a full batch (more is likely waiting); next is
 // the earliest retry time of a backing-off shard.
-func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay, retryAt map[int]time.Time, failures map[int]int) (busy bool, next time.Time, crash error) {
+func (r *Relay) cycle(ctx context.Context, pub Publisher, hooks *testhook.Relay, retryAt map[int]time.Time, failures map[int]int) (busy bool, next time.Time, crash error) {
 	rows, err := r.cfg.Pool.Query(ctx, r.q.shards)
 	var shards []int
 	if err == nil {
@@ -366,7 +381,7 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 			}
 			continue
 		}
-		more, err := r.publishShard(ctx, cl, hooks, shard)
+		more, err := r.publishShard(ctx, pub, hooks, shard)
 		if ctx.Err() != nil {
 			return false, next, nil
 		}
@@ -397,7 +412,7 @@ func (r *Relay) cycle(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay
 // for good are parked in the same transaction (see produce). more reports
 // that rows are likely waiting; it is false when another relay holds the
 // shard.
-func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhook.Relay, shard int) (more bool, err error) {
+func (r *Relay) publishShard(ctx context.Context, pub Publisher, hooks *testhook.Relay, shard int) (more bool, err error) {
 	tx, err := r.cfg.Pool.Begin(ctx)
 	if err != nil {
 		return false, err
@@ -446,7 +461,7 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 	if err != nil || len(recs) == 0 {
 		return false, err
 	}
-	ok, park, err := r.produce(ctx, cl, ids, recs)
+	ok, park, err := r.produce(ctx, pub, ids, recs)
 	if len(ok) == 0 && len(park) == 0 {
 		return false, err
 	}
@@ -501,7 +516,7 @@ func (r *Relay) publishShard(ctx context.Context, cl *kgo.Client, hooks *testhoo
 // checked before producing; a row that failed permanently in the batch is
 // produced again on its own before it is parked, so that only the culprit
 // is parked and rows that merely shared its Kafka batch go through.
-func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs []*kgo.Record) (ok []int64, park map[int]error, err error) {
+func (r *Relay) produce(ctx context.Context, pub Publisher, ids []int64, recs []*kgo.Record) (ok []int64, park map[int]error, err error) {
 	park = map[int]error{}
 	blocked := map[string]bool{} // (topic, key) of rows parked or failed in this batch
 	held := func(i int) bool { return recs[i].Key != nil && blocked[keyOf(recs[i])] }
@@ -515,14 +530,14 @@ func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs [
 		if held(i) {
 			continue
 		}
-		if err := r.refuse(cl, rec); err != nil {
+		if err := pub.Refuse(rec); err != nil {
 			park[i] = err
 			block(i)
 			continue
 		}
 		send = append(send, i)
 	}
-	results := r.send(ctx, cl, recs, send)
+	results := r.send(ctx, pub, recs, send)
 	var suspects []int
 	for j, res := range results { // in id order
 		i := send[j]
@@ -530,13 +545,13 @@ func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs [
 		case held(i):
 			// An earlier row of its key failed: it stays pending and goes
 			// again after that one (downstream inboxes dedup a republish).
-		case res.Err == nil:
+		case res == nil:
 			ok = append(ok, ids[i])
-		case permanent(res.Err):
+		case pub.Permanent(res):
 			suspects = append(suspects, i)
 			block(i)
 		default:
-			err = cmp.Or(err, res.Err)
+			err = cmp.Or(err, res)
 			block(i)
 		}
 	}
@@ -548,15 +563,15 @@ func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs [
 		r.produceErrs.Add(1)
 	}
 	for _, i := range suspects { // in id order
-		switch res := r.send(ctx, cl, recs, []int{i})[0]; {
-		case res.Err == nil:
+		switch res := r.send(ctx, pub, recs, []int{i})[0]; {
+		case res == nil:
 			ok = append(ok, ids[i])
-		case permanent(res.Err):
-			park[i] = res.Err
+		case pub.Permanent(res):
+			park[i] = res
 			block(i)
 		default:
 			r.produceErrs.Add(1)
-			err = cmp.Or(err, res.Err)
+			err = cmp.Or(err, res)
 			block(i)
 		}
 	}
@@ -566,54 +581,86 @@ func (r *Relay) produce(ctx context.Context, cl *kgo.Client, ids []int64, recs [
 	return ok, park, err
 }
 
-// send produces recs[idx...] in one call, with a PRODUCER span each, and
-// returns their results in the order of idx. (ProduceSync lists results in
-// the order the records completed, which differs from the order given as
-// soon as they go to several partitions.)
-func (r *Relay) send(ctx context.Context, cl *kgo.Client, recs []*kgo.Record, idx []int) kgo.ProduceResults {
+// send publishes recs[idx...] in one call, with a PRODUCER span each, and
+// returns their errors in the order of idx.
+func (r *Relay) send(ctx context.Context, pub Publisher, recs []*kgo.Record, idx []int) []error {
 	if len(idx) == 0 {
 		return nil
 	}
+	system := telemetry.MessagingSystem.String(pub.System())
 	batch := make([]*kgo.Record, len(idx))
 	spans := make([]trace.Span, len(idx))
 	for j, i := range idx {
 		recs[i].Context = nil // a record produced before keeps the ended context of that produce
 		batch[j] = recs[i]
-		spans[j] = r.startSend(ctx, recs[i])
+		spans[j] = r.startSend(ctx, system, recs[i])
 	}
 	pctx, cancel := context.WithTimeout(ctx, r.cfg.ProduceTimeout)
 	start := time.Now()
-	completed := cl.ProduceSync(pctx, batch...)
+	errs := pub.Publish(pctx, batch)
 	took := time.Since(start)
 	cancel()
-	durAttrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingOperationName.String("send"),
+	durAttrs := []attribute.KeyValue{system, telemetry.MessagingOperationName.String("send"),
 		telemetry.MessagingOperationType.String("send")}
-	if completed.FirstErr() != nil {
+	if slices.ContainsFunc(errs, func(err error) bool { return err != nil }) {
 		durAttrs = append(durAttrs, telemetry.ErrorType.String("produce"))
 	}
 	r.sendDur.Record(ctx, took.Seconds(), metric.WithAttributes(durAttrs...))
-	at := make(map[*kgo.Record]int, len(batch))
-	for j, rec := range batch {
-		at[rec] = j
-	}
-	results := make(kgo.ProduceResults, len(batch))
-	for _, res := range completed {
-		results[at[res.Record]] = res
-	}
-	for j, res := range results {
-		attrs := []attribute.KeyValue{telemetry.Kafka, telemetry.MessagingDestination.String(batch[j].Topic)}
-		if res.Err != nil {
-			telemetry.Fail(spans[j], res.Err, "produce")
+	for j, err := range errs {
+		attrs := []attribute.KeyValue{system, telemetry.MessagingDestination.String(batch[j].Topic)}
+		if err != nil {
+			telemetry.Fail(spans[j], err, "produce")
 			attrs = append(attrs, telemetry.ErrorType.String("produce"))
-		} else {
-			spans[j].SetAttributes(telemetry.MessagingPartition.String(strconv.FormatInt(int64(res.Record.Partition), 10)),
-				telemetry.MessagingKafkaOffset.Int64(res.Record.Offset))
+		} else if pub.System() == "kafka" {
+			spans[j].SetAttributes(telemetry.MessagingPartition.String(strconv.FormatInt(int64(batch[j].Partition), 10)),
+				telemetry.MessagingKafkaOffset.Int64(batch[j].Offset))
 		}
 		spans[j].End()
 		r.sent.Add(ctx, 1, metric.WithAttributes(attrs...))
 	}
-	return results
+	return errs
 }
+
+// A Publisher writes outbox rows to a broker (RelayConfig.Publisher). The
+// relay keeps everything else: shards and their locks, per-key order,
+// marking rows sent only after the broker confirmed them, parking what the
+// broker refuses for good, spans and metrics.
+type Publisher interface {
+	// System is the broker's messaging.system ("kafka", "nats").
+	System() string
+	// Publish writes recs (Topic: the destination; Headers include
+	// MessageIDHeader, the row's stable id) and returns an error per
+	// record, in order: nil once the broker confirmed it durable.
+	Publish(ctx context.Context, recs []*kgo.Record) []error
+	// Refuse returns why the broker would refuse rec for good, checked
+	// before publishing; nil if it may go.
+	Refuse(rec *kgo.Record) error
+	// Permanent reports whether a publish error means that the broker
+	// refuses the record for good: it is parked.
+	Permanent(err error) bool
+}
+
+// kafkaPublisher produces to Kafka with all in-sync replicas' acks.
+type kafkaPublisher struct{ cl *kgo.Client }
+
+func (kafkaPublisher) System() string { return "kafka" }
+
+// Publish produces recs in one call. (ProduceSync lists results in the
+// order the records completed, which differs from the order given as soon
+// as they go to several partitions.)
+func (p kafkaPublisher) Publish(ctx context.Context, recs []*kgo.Record) []error {
+	at := make(map[*kgo.Record]int, len(recs))
+	for j, rec := range recs {
+		at[rec] = j
+	}
+	errs := make([]error, len(recs))
+	for _, res := range p.cl.ProduceSync(ctx, recs...) {
+		errs[at[res.Record]] = res.Err
+	}
+	return errs
+}
+
+func (kafkaPublisher) Permanent(err error) bool { return permanent(err) }
 
 // permanent reports whether Kafka refused a record for a reason that lies in
 // the record or its topic and that retrying will not change: too large for
@@ -633,17 +680,17 @@ func permanent(err error) bool {
 	return false
 }
 
-// refuse returns why the client or any broker would refuse rec for good,
+// Refuse returns why the client or any broker would refuse rec for good,
 // checked before producing: kgo fails a record over its batch limit without
 // sending it, and would send the next record of the same key regardless.
-func (r *Relay) refuse(cl *kgo.Client, rec *kgo.Record) error {
+func (p kafkaPublisher) Refuse(rec *kgo.Record) error {
 	if err := ValidateTopic(rec.Topic); err != nil {
 		return fmt.Errorf("%w: %v", kerr.InvalidTopicException, err)
 	}
 	// A single record's batch: the 61-byte batch header, and generous
 	// varint framing for the record and each header.
 	size := recordBytes(rec) + 61 + 64 + 10*int64(len(rec.Headers))
-	limit := int64(maxBatchBytes(cl, rec.Topic))
+	limit := int64(maxBatchBytes(p.cl, rec.Topic))
 	if size > limit {
 		return fmt.Errorf("%w: a record of %d bytes (key, value and headers) does not fit the producer's batch limit of %d bytes",
 			kerr.MessageTooLarge, recordBytes(rec), limit)
@@ -682,12 +729,12 @@ func keyOf(rec *kgo.Record) string { return rec.Topic + "\x00" + string(rec.Key)
 // startSend starts rec's "send <topic>" PRODUCER span as a child of the
 // enqueuer's context (stored in the row's traceparent header) and makes the
 // record carry the send span's context instead.
-func (r *Relay) startSend(ctx context.Context, rec *kgo.Record) trace.Span {
+func (r *Relay) startSend(ctx context.Context, system attribute.KeyValue, rec *kgo.Record) trace.Span {
 	if parent := telemetry.Extract(rec.Headers); parent.IsValid() {
 		ctx = trace.ContextWithRemoteSpanContext(ctx, parent)
 	}
 	ctx, span := r.tracer.Start(ctx, "send "+rec.Topic, trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(
-		telemetry.Kafka, telemetry.MessagingDestination.String(rec.Topic),
+		system, telemetry.MessagingDestination.String(rec.Topic),
 		telemetry.MessagingOperationType.String("send"), telemetry.MessagingOperationName.String("send"),
 		telemetry.MessagingMessageID.String((telemetry.Carrier{Headers: &rec.Headers}).Get(MessageIDHeader))))
 	if span.SpanContext().IsValid() {
