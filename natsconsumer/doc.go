@@ -54,6 +54,16 @@
 // messaging.system=nats, linked to (and, unless UntrustedProducers,
 // parented by) the producer's context.
 //
+// # The outbox relay
+//
+// JetStreamPublisher is an outbox.RelayConfig.Publisher: the relay publishes
+// committed outbox rows to JetStream (the row's topic is the subject), one
+// after another, each after the previous PubAck, with Nats-Msg-Id set to the
+// row's message id, and marks them sent only after the PubAcks. A relay that
+// stops between the PubAcks and the mark publishes the rows again; the
+// stream's duplicate window (Duplicates, default 2 minutes) stores them
+// once, and a consumer's inbox skips a republish that comes later.
+//
 // # What is not guaranteed
 //
 // Order: messages run Concurrency at a time, and a retried message comes

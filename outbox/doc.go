@@ -1,6 +1,10 @@
 // Package outbox publishes events to Kafka exactly when the transaction that
 // produced them commits: [Outbox.Enqueue] writes them into the outbox table in
 // the caller's pgx.Tx, and a [Relay] publishes committed rows to Kafka.
+// Through RelayConfig.Publisher the relay publishes to another broker
+// instead (natsconsumer.JetStreamPublisher: NATS JetStream, with
+// Nats-Msg-Id set to the message id); shards, order, marking sent and
+// parking are the same.
 //
 // # Identity
 //
