@@ -402,7 +402,9 @@ func TestNATSCrashLoopAcrossRestarts(t *testing.T) {
 			t.Fatalf("process %d never ran the handler", i)
 		}
 		cancel()
-		<-done
+		if err := <-done; err != nil {
+			t.Fatalf("process %d stopped with %v", i, err)
+		}
 		nc.Close()
 	}
 	_, js := e.ownJetStream()
@@ -460,7 +462,7 @@ func TestNATSTraceContext(t *testing.T) {
 	}
 	got := map[attribute.Key]string{}
 	for _, a := range span.Attributes() {
-		got[a.Key] = a.Value.Emit()
+		got[a.Key] = a.Value.String()
 	}
 	for k, v := range map[attribute.Key]string{
 		"messaging.system": "nats", "messaging.destination.name": e.subject, "messaging.consumer.group.name": "workers",
