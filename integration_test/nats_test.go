@@ -32,6 +32,10 @@ import (
 // natsURL is the JetStream server the tests use (.ci/run starts it).
 const natsURL = "nats://127.0.0.1:4222"
 
+// The NATS tests do not run in parallel with the rest: they finish before
+// the parallel Kafka tests start, so that neither adds its load to the
+// other's timing-bound checks (the relay's 1s ProduceTimeout among them).
+
 // natsEnv is one test's JetStream stream, its dead-letter stream (both
 // deleted when the test ends) and its Postgres schema with an effects table.
 type natsEnv struct {
@@ -216,7 +220,6 @@ func (e *natsEnv) waitForBlockedClaim() {
 // messages, all with the same message-id header) run at once: one effect,
 // 24 duplicates, every delivery acknowledged.
 func TestNATSConcurrentDuplicatesOneEffect(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	for range 25 {
 		e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
@@ -235,7 +238,6 @@ func TestNATSConcurrentDuplicatesOneEffect(t *testing.T) {
 // delivers the message again to the next process, which finds the id in
 // the inbox and runs no second effect.
 func TestNATSCrashBetweenCommitAndAck(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "order-1"})
 
@@ -272,7 +274,6 @@ func TestNATSCrashBetweenCommitAndAck(t *testing.T) {
 // duplicate, one copy each): the second's claim waits on the first's
 // transaction, and only one effect happens.
 func TestNATSTwoConsumersRaceOneEffect(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
 	e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
@@ -304,7 +305,6 @@ func TestNATSTwoConsumersRaceOneEffect(t *testing.T) {
 // dead-letter stream at once, with its data, its headers and its
 // provenance, is recorded as dead-lettered, and the original is terminated.
 func TestNATSPoisonToDeadLetterStream(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	e.publish(e.subject, "not an order", map[string]string{nats.MsgIdHdr: "poison-1", "tenant": "acme"})
 	var runs atomic.Int32
@@ -343,7 +343,6 @@ func TestNATSPoisonToDeadLetterStream(t *testing.T) {
 // redelivery's attempt is JetStream's delivery count, and the MaxAttempts-th
 // failure dead-letters the message (class max_attempts).
 func TestNATSRetriesThenDeadLetter(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "flaky-1"})
 	var mu sync.Mutex
@@ -379,7 +378,6 @@ func TestNATSRetriesThenDeadLetter(t *testing.T) {
 // a higher delivery count; the delivery after MaxAttempts dead-letters it as
 // a crash loop without running the handler again.
 func TestNATSCrashLoopAcrossRestarts(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "killer-1"})
 	const maxAttempts = 2
@@ -431,7 +429,6 @@ func TestNATSCrashLoopAcrossRestarts(t *testing.T) {
 // "process <subject>" span continues it, with messaging.system=nats and the
 // messaging attributes.
 func TestNATSTraceContext(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
@@ -481,7 +478,6 @@ func TestNATSTraceContext(t *testing.T) {
 // dead-letter subject or the stream does not exist: a dead letter could
 // never be published, and the message would wait for ever.
 func TestNATSStartupChecks(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	for what, cfg := range map[string]natsconsumer.Config{
 		"DeadLetterSubject": func() natsconsumer.Config {
@@ -513,7 +509,6 @@ func TestNATSStartupChecks(t *testing.T) {
 // the rows sent is followed by one that publishes them again: JetStream's
 // duplicate window stores each message once, in enqueue order per key.
 func TestNATSRelayPublishesWithMessageIDs(t *testing.T) {
-	t.Parallel()
 	e := newNATSEnv(t)
 	ctx := t.Context()
 	ob, err := outbox.New(outbox.Config{Schema: e.db.Schema})
