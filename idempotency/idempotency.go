@@ -315,7 +315,7 @@ func (m *Middleware) wrap(next http.Handler, required bool) http.Handler {
 			return
 		}
 		start := time.Now()
-		ctx, span := m.tel.Start(r.Context(), SpanRequest, attrMethod.String(r.Method))
+		ctx, span := m.tel.Start(r.Context(), SpanRequest, telemetry.HTTPRequestMethod.String(r.Method))
 		// What a panic (of the handler, or the simulated crash) leaves.
 		res := result{outcome: OutcomeAborted, err: errAborted}
 		defer func() {

@@ -48,8 +48,6 @@ const (
 var (
 	attrOutcome = attribute.Key("oncely.idempotency.outcome")
 	attrRefusal = attribute.Key("oncely.idempotency.refusal")
-	attrMethod  = attribute.Key("http.request.method")
-	attrStatus  = attribute.Key("http.response.status_code")
 )
 
 // result is what became of a request.
@@ -72,12 +70,12 @@ func newInstruments(cfg *Config) (*telemetry.Requests, error) {
 // attributes returns the metric attributes of a request with method, and
 // the span's own.
 func (res result) attributes(method string) (metricAttrs, spanAttrs []attribute.KeyValue) {
-	metricAttrs = []attribute.KeyValue{attrMethod.String(method), attrOutcome.String(res.outcome)}
+	metricAttrs = []attribute.KeyValue{telemetry.HTTPRequestMethod.String(method), attrOutcome.String(res.outcome)}
 	if res.refusal != "" {
 		metricAttrs = append(metricAttrs, attrRefusal.String(res.refusal))
 	}
 	if res.status != 0 {
-		spanAttrs = append(spanAttrs, attrStatus.Int(res.status))
+		spanAttrs = append(spanAttrs, telemetry.HTTPResponseStatusCode.Int(res.status))
 	}
 	return metricAttrs, spanAttrs
 }

@@ -142,7 +142,7 @@ func (rc *Receiver) Stats() Stats {
 // delivery and answers 202 after the commit, or 503 if it cannot be stored.
 func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
-	ctx, span := rc.tel.Start(r.Context(), SpanReceive, attrMethod.String(r.Method), telemetry.MessagingDestination.String(rc.cfg.Topic))
+	ctx, span := rc.tel.Start(r.Context(), SpanReceive, telemetry.HTTPRequestMethod.String(r.Method), telemetry.MessagingDestination.String(rc.cfg.Topic))
 	it := rc.serve(w, r.WithContext(ctx))
 	attrs, spanAttrs := it.attributes(rc.cfg.Topic)
 	rc.tel.End(ctx, span, start, attrs, spanAttrs, it.err, "store")

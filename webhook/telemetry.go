@@ -50,8 +50,6 @@ var (
 	attrOutcome  = attribute.Key("oncely.webhook.outcome")
 	attrRefusal  = attribute.Key("oncely.webhook.refusal")
 	attrProvider = attribute.Key("oncely.webhook.provider")
-	attrStatus   = attribute.Key("http.response.status_code")
-	attrMethod   = attribute.Key("http.request.method")
 )
 
 // refusalOf names the reason of a verifier's error.
@@ -100,7 +98,7 @@ func (it intake) attributes(topic string) (metricAttrs, spanAttrs []attribute.Ke
 	if it.delivery.Provider != "" {
 		metricAttrs = append(metricAttrs, attrProvider.String(it.delivery.Provider))
 	}
-	spanAttrs = []attribute.KeyValue{attrStatus.Int(it.status)}
+	spanAttrs = []attribute.KeyValue{telemetry.HTTPResponseStatusCode.Int(it.status)}
 	if it.messageID != "" {
 		spanAttrs = append(spanAttrs, telemetry.MessagingMessageID.String(it.messageID))
 	}

@@ -35,6 +35,10 @@ const (
 	MessagingBatchCount    = attribute.Key("messaging.batch.message_count")
 	ErrorType              = attribute.Key("error.type")
 
+	// HTTP semantic conventions, for the HTTP middleware and receivers.
+	HTTPRequestMethod      = attribute.Key("http.request.method")
+	HTTPResponseStatusCode = attribute.Key("http.response.status_code")
+
 	Attempt      = attribute.Key("oncely.attempt")
 	DedupOutcome = attribute.Key("oncely.dedup.outcome") // new | duplicate | redrive
 	DLQClass     = attribute.Key("oncely.dlq.error_class")
