@@ -20,10 +20,13 @@
 // A key (scope, key) is two Redis keys that share one hash tag, so they live
 // in one Redis Cluster slot and every script below touches one slot only:
 //
-//	<Prefix>{<sha256(scope, key)>}        hash: token, holder, and once recorded fp, status, hdr, body
+//	<Prefix>{<sha256(scope, key)>}        hash: token, holder, and once recorded resp (fingerprint, status, headers, body)
 //	<Prefix>{<sha256(scope, key)>}:lock   string, with PX Config.LockTTL: the key is in progress
 //
-// Each step is one Lua script, atomic in Redis:
+// A retry of a recorded key is one plain read: HGET resp, then replay (same
+// fingerprint) or 422. A recorded response never changes until it expires,
+// so the read needs no script. Every other step is one Lua script, atomic in
+// Redis:
 //
 //	claim   recorded response?        -> replay (same fingerprint) or 422
 //	        SET lock NX PX LockTTL fails? -> 409 with Retry-After
@@ -31,7 +34,7 @@
 //	handler runs; every Config.Heartbeat:
 //	extend  holder still ours?        -> SET lock holder PX LockTTL   (else: the handler's context is cancelled)
 //	record  holder still ours and nothing recorded?
-//	                                  -> HSET fp status hdr body (expiring TTL after the claim, at least LockTTL); DEL lock
+//	                                  -> HSET resp (expiring TTL after the claim, at least LockTTL); DEL lock
 //	        else                      -> nothing stored; the client gets 409 and its retry the newer response
 //	release (5xx, a status StoreStatus refuses, a panic, a failed record)
 //	        holder still ours and nothing recorded? -> DEL lock
