@@ -80,13 +80,23 @@ func New(rdb redis.UniversalClient, cfg Config) (*Store, error) {
 // the fencing token, the holder and, once recorded, the response) and the
 // lock. Both carry the same hash tag, so they share a Cluster slot.
 func (s *Store) Keys(scope, key string) (record, lock string) {
-	h := sha256.New()
-	var n [binary.MaxVarintLen64]byte
-	h.Write(n[:binary.PutUvarint(n[:], uint64(len(scope)))])
-	h.Write([]byte(scope))
-	h.Write([]byte(key))
-	tag := "{" + hex.EncodeToString(h.Sum(nil)) + "}"
-	return s.cfg.Prefix + tag, s.cfg.Prefix + tag + ":lock"
+	record = s.record(scope, key)
+	return record, record + lockSuffix
+}
+
+const lockSuffix = ":lock"
+
+// record returns the record's key: Prefix, then the hash tag, the hex
+// SHA-256 of the scope's length, the scope and the key.
+func (s *Store) record(scope, key string) string {
+	var buf [256]byte // short scopes and keys are hashed from the stack
+	b := binary.AppendUvarint(buf[:0], uint64(len(scope)))
+	b = append(append(b, scope...), key...)
+	sum := sha256.Sum256(b)
+	k := make([]byte, 0, len(s.cfg.Prefix)+2+2*len(sum))
+	k = append(k, s.cfg.Prefix...)
+	k = append(hex.AppendEncode(append(k, '{'), sum[:]), '}')
+	return string(k)
 }
 
 // The scripts. KEYS[1] is the record hash, KEYS[2] the lock. The record's
@@ -147,7 +157,7 @@ return 1
 // recorded meanwhile, else busy if the lock is held, else a new fencing
 // token and the lock.
 func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl time.Duration) (idempotency.Claim, error) {
-	record, lock := s.Keys(scope, key)
+	record := s.record(scope, key)
 	switch resp, err := s.rdb.HGet(ctx, record, "resp").Bytes(); {
 	case err == nil:
 		return s.stored(record, resp)
@@ -155,7 +165,7 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 		return idempotency.Claim{}, fmt.Errorf("redisstore: read: %w", err)
 	}
 	nonce := strconv.FormatUint(rand.Uint64(), 36) // unique, not secret
-	res, err := claimScript.Run(ctx, s.rdb, []string{record, lock}, s.lockMS, ttl.Milliseconds(), nonce).Slice()
+	res, err := claimScript.Run(ctx, s.rdb, []string{record, record + lockSuffix}, s.lockMS, ttl.Milliseconds(), nonce).Slice()
 	if err != nil {
 		return idempotency.Claim{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
@@ -168,7 +178,7 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 		return s.stored(record, []byte(resp))
 	case state == 3 && len(res) == 2:
 		holder, _ := res[1].(string)
-		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, keys: []string{record, lock}, holder: holder}}, nil
+		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, keys: []string{record, record + lockSuffix}, holder: holder}}, nil
 	}
 	return idempotency.Claim{}, fmt.Errorf("redisstore: claim: unexpected reply %v", res)
 }
