@@ -116,7 +116,17 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 		return nil, fmt.Errorf("dlq: list: %w", err)
 	}
 	topicread.Sort(recs)
+	return Entries(recs, f)
+}
 
+// Entries returns the entries of dead-letter records recs (in the order
+// given) that match f, as List does for a topic it read: each record's
+// Info decoded from its headers, and copies of one dead-lettering listed
+// once, counted in Copies; with f.RefuseInvalid, an *InvalidRecordError
+// for the first record that is not a dead letter. Adapters of other brokers
+// (package natsconsumer) read their dead-letter streams into records and
+// list them with it.
+func Entries(recs []*kgo.Record, f Filter) ([]Entry, error) {
 	var out []Entry
 	seen := map[string]int{} // identity -> index in out
 	// Copies of one dead-lettering (a crash between the produce and the
@@ -124,6 +134,9 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 	for _, r := range recs {
 		e := Entry{Record: r, Copies: 1}
 		e.Info, e.Err = Decode(r.Headers)
+		if e.Err != nil && f.RefuseInvalid {
+			return nil, &InvalidRecordError{Ref: e.Ref(), Err: e.Err}
+		}
 		if e.Info != nil {
 			id := fmt.Sprintf("%s\x00%s\x00%s/%d/%d", e.Info.Group, e.Info.MessageID, e.Info.Topic, e.Info.Partition, e.Info.Offset)
 			if i, dup := seen[id]; dup {
@@ -198,6 +211,15 @@ type Result struct {
 // header, each after recording its redrive grant (see RedriveOptions). It
 // stops at the first error and returns the results so far.
 func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts RedriveOptions) ([]Result, error) {
+	return RedriveWith(ctx, func(ctx context.Context, rec *kgo.Record) error {
+		return producer.ProduceSync(ctx, rec).FirstErr()
+	}, entries, opts)
+}
+
+// RedriveWith is Redrive through publish, which writes one record durably
+// to another broker (Record.Topic is the destination) and sets its
+// Partition and Offset to where it was stored, or returns an error.
+func RedriveWith(ctx context.Context, publish func(context.Context, *kgo.Record) error, entries []Entry, opts RedriveOptions) ([]Result, error) {
 	if !opts.DryRun && (opts.Inbox == nil || opts.DB == nil) {
 		return nil, ErrNoInbox
 	}
@@ -239,7 +261,7 @@ func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts Re
 			return results, fmt.Errorf("dlq: redrive %s: %w", e.Ref(), err)
 		}
 		rec := RedriveRecord(e, res.Topic, idHeader)
-		if err := producer.ProduceSync(ctx, rec).FirstErr(); err != nil {
+		if err := publish(ctx, rec); err != nil {
 			// Best effort: a grant left behind lets the next redriven copy of
 			// this id run, which is what the operator asked for anyway.
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)

@@ -21,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/testenv"
@@ -590,4 +591,154 @@ func TestNATSRelayPublishesWithMessageIDs(t *testing.T) {
 			t.Errorf("key %s: stored ids %v, want %v (enqueue order, each once)", key, byKey[key], want)
 		}
 	}
+}
+
+// A dead letter of the JetStream stream is listed from its dead-letter
+// stream (natsconsumer.DeadLetters, the filters of package dlq), a dry run
+// publishes nothing, and a redrive runs the message exactly once more,
+// seconds after the original: the redriven copy carries no Nats-Msg-Id, so
+// JetStream's duplicate window, which still holds the original's id, keeps
+// it. A second redrive of the same dead letter is skipped as processed.
+func TestNATSDeadLettersRedriveOnce(t *testing.T) {
+	e := newNATSEnv(t)
+	ctx := t.Context()
+	e.publish(e.subject, "bad", map[string]string{nats.MsgIdHdr: "poison-1", "tenant": "acme"})
+	e.publish(e.subject, "good", map[string]string{nats.MsgIdHdr: "good-1"})
+	var fixed atomic.Bool
+	var runs atomic.Int32
+	_, _ = e.start(ctx, e.config(e.js, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		runs.Add(1)
+		if string(msg.Value) == "bad" && !fixed.Load() {
+			return dlq.Permanent(errors.New("order has no id"))
+		}
+		return natsEffect("w")(ctx, tx, msg)
+	}))
+	e.deadLetters(1)
+	e.settled()
+
+	all, err := natsconsumer.DeadLetters(ctx, e.js, e.dlq, dlq.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) != 1 || all[0].Info == nil || all[0].Info.MessageID != "poison-1" || all[0].Info.Topic != e.subject ||
+		all[0].Info.Class != dlq.ClassPermanent || all[0].Ref() != "dlq."+e.subject+"/0/1" {
+		t.Fatalf("dead letters %+v, want poison-1 of %s at dlq.%s/0/1", all, e.subject, e.subject)
+	}
+	if none, err := natsconsumer.DeadLetters(ctx, e.js, e.dlq, dlq.Filter{MessageID: "good-1"}); err != nil || len(none) != 0 {
+		t.Fatalf("filter by another id: %d entries, %v", len(none), err)
+	}
+	if byClass, err := natsconsumer.DeadLetters(ctx, e.js, e.dlq, dlq.Filter{Class: dlq.ClassPermanent, Refs: []string{"0/1"}}); err != nil || len(byClass) != 1 {
+		t.Fatalf("filter by class and ref: %d entries, %v", len(byClass), err)
+	}
+
+	inbox, err := dedup.New(dedup.Config{Schema: e.db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := dlq.RedriveOptions{Inbox: inbox, DB: e.db.Pool}
+	dry := opts
+	dry.DryRun = true
+	res, err := natsconsumer.Redrive(ctx, e.js, all, dry)
+	if err != nil || len(res) != 1 || res[0].Action != dlq.WouldRedrive {
+		t.Fatalf("dry run: %+v, %v", res, err)
+	}
+	if n := streamMsgs(t, e.js, e.stream); n != 2 {
+		t.Fatalf("the dry run published: the stream holds %d messages, want 2", n)
+	}
+
+	fixed.Store(true)
+	res, err = natsconsumer.Redrive(ctx, e.js, all, opts)
+	if err != nil || len(res) != 1 || res[0].Action != dlq.Redriven || res[0].Topic != e.subject || res[0].Offset != 3 {
+		t.Fatalf("redrive: %+v, %v; want redriven to %s at sequence 3", res, err, e.subject)
+	}
+	testenv.Eventually(t, 30*time.Second, "the redriven message's effect", func() bool {
+		return e.count(`SELECT count(*) FROM effects WHERE message_id = 'poison-1'`) == 1
+	})
+	e.settled()
+	if n := e.count(`SELECT count(*) FROM inbox WHERE message_id = 'poison-1' AND outcome = 'processed'`); n != 1 {
+		t.Errorf("inbox: poison-1 processed %d times, want 1", n)
+	}
+
+	res, err = natsconsumer.Redrive(ctx, e.js, all, opts)
+	if err != nil || len(res) != 1 || res[0].Action != dlq.SkipProcessed {
+		t.Fatalf("second redrive: %+v, %v; want skipped as processed", res, err)
+	}
+	e.settled()
+	e.effects(2) // good-1 and the redriven poison-1, once each
+	if n := runs.Load(); n != 3 {
+		t.Errorf("handler ran %d times, want 3 (good-1, poison-1, its redrive)", n)
+	}
+}
+
+// streamMsgs is the number of messages stored in stream.
+func streamMsgs(t *testing.T, js jetstream.JetStream, stream string) uint64 {
+	t.Helper()
+	s, err := js.Stream(t.Context(), stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return info.State.Msgs
+}
+
+// `oncely dlq list|show|redrive --stream` works on a JetStream dead-letter
+// stream as on a Kafka topic: the dead letter listed (and in --json), shown
+// by 0/sequence, redriven once with its grant in the consumers' database,
+// and a stream of other messages refused.
+func TestNATSCLIDeadLetters(t *testing.T) {
+	e := newNATSEnv(t)
+	ctx := t.Context()
+	oncely := oncelyCLI(t)
+	e.publish(e.subject, "bad", map[string]string{nats.MsgIdHdr: "poison-1"})
+	var fixed atomic.Bool
+	_, _ = e.start(ctx, e.config(e.js, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if !fixed.Load() {
+			return dlq.Permanent(errors.New("rejected by v1"))
+		}
+		return natsEffect("w")(ctx, tx, msg)
+	}))
+	e.deadLetters(1)
+	e.settled()
+
+	stream := []string{"--nats", natsURL, "--stream", e.dlq}
+	code, out, errs := oncely(t, append([]string{"dlq", "list"}, stream...)...)
+	if code != 0 || !strings.Contains(out, "poison-1") || !strings.Contains(out, "permanent") || !strings.Contains(out, "0/1") {
+		t.Fatalf("dlq list: exit %d\n%s\n%s", code, out, errs)
+	}
+	code, out, errs = oncely(t, append([]string{"dlq", "list", "--json", "--class", "max_attempts"}, stream...)...)
+	if code != 0 || out != "" {
+		t.Fatalf("dlq list --class max_attempts: exit %d\n%s\n%s, want no JSON line", code, out, errs)
+	}
+	code, out, errs = oncely(t, append([]string{"dlq", "list", "--json", "--class", "permanent"}, stream...)...)
+	if code != 0 || strings.Count(out, "\n") != 1 || !strings.Contains(out, `"message_id":"poison-1"`) {
+		t.Fatalf("dlq list --json --class permanent: exit %d\n%s\n%s, want one JSON line", code, out, errs)
+	}
+	code, out, errs = oncely(t, append([]string{"dlq", "show", "0/1"}, stream...)...)
+	if code != 0 || !strings.Contains(out, "rejected by v1") || !strings.Contains(out, e.subject) {
+		t.Fatalf("dlq show 0/1: exit %d\n%s\n%s", code, out, errs)
+	}
+	code, out, errs = oncely(t, "dlq", "list", "--nats", natsURL, "--stream", e.stream)
+	if code == 0 || !strings.Contains(errs, "is not a dead-letter stream") {
+		t.Fatalf("dlq list of the source stream: exit %d\n%s\n%s, want a refusal", code, out, errs)
+	}
+
+	fixed.Store(true)
+	db := []string{"--database-url", e.db.URL, "--schema", e.db.Schema}
+	code, out, errs = oncely(t, append(append([]string{"dlq", "redrive", "--all"}, stream...), db...)...)
+	if code != 0 || !strings.Contains(out, "1 redriven") {
+		t.Fatalf("dlq redrive: exit %d\n%s\n%s", code, out, errs)
+	}
+	testenv.Eventually(t, 30*time.Second, "the redriven message's effect", func() bool {
+		return e.count(`SELECT count(*) FROM effects WHERE message_id = 'poison-1'`) == 1
+	})
+	e.settled()
+	code, out, errs = oncely(t, append(append([]string{"dlq", "redrive", "--all"}, stream...), db...)...)
+	if code != 0 || !strings.Contains(out, "1 skipped (processed)") {
+		t.Fatalf("second dlq redrive: exit %d\n%s\n%s", code, out, errs)
+	}
+	e.settled()
+	e.effects(1)
 }
