@@ -95,19 +95,18 @@
 //
 // Package webhook's Receiver stores each delivery in the outbox, in
 // Postgres, and the consumer's inbox deduplicates by the delivery id. An
-// intake without Postgres can put this store in front of its own handler
-// with the delivery id as the key: wrap the handler in a small middleware
-// that copies the provider's id (webhook-id, Stripe's event id,
-// X-GitHub-Delivery) into the Idempotency-Key header after the signature is
-// verified, then the Require middleware. A redelivery then replays the
-// first 2xx, a concurrent one gets 409 (providers retry it), and the windows
-// above apply: the processing must pass the delivery id on to whatever it
-// calls.
+// intake without Postgres is a webhook.Intake on this store: it verifies
+// the signature, then runs its handler through the middleware with the
+// provider's delivery id (webhook-id, Stripe's event id, X-GitHub-Delivery)
+// as the key. A redelivery then replays the first answer below 500, a
+// concurrent one gets 409 (providers retry it), and the windows above
+// apply: the processing must pass the delivery id on to whatever it calls.
 //
 // # Costs
 //
-// A first request costs two round trips (claim, record) plus one heartbeat
-// per Config.Heartbeat while the handler runs; a replay costs one. Scripts
+// A first request costs three round trips (a read that finds no response,
+// the claim, the record) plus one heartbeat per Config.Heartbeat while the
+// handler runs; a replay costs one plain read (HGET). Scripts
 // are sent by SHA (EVALSHA) after their first use. Responses are kept in
 // Redis memory for idempotency.Config.TTL (default 24 h): size Redis for
 // the request rate times the TTL times the response size. Redis expires the

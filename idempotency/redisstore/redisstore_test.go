@@ -421,8 +421,8 @@ func TestNewValidates(t *testing.T) {
 	}
 }
 
-// TestWebhookIntakeOnce: a webhook intake without Postgres (deliveryKey of
-// Example_webhookIntake in front of Require): 25 concurrent copies of one
+// TestWebhookIntakeOnce: a webhook intake without Postgres (webhook.Intake
+// on the Redis store, as Example_webhookIntake): 25 concurrent copies of one
 // signed delivery are processed once, the others get 409 or the replayed
 // 204; a redelivery later gets the replay; a bad signature is refused
 // before anything is claimed.
@@ -438,10 +438,14 @@ func TestWebhookIntakeOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	var processed atomic.Int32
-	h := deliveryKey(verifier, 1<<20)(m.Require(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		processed.Add(1)
-		w.WriteHeader(http.StatusNoContent)
-	})))
+	h, err := webhook.NewIntake(webhook.IntakeConfig{Verifier: verifier, Idempotency: m,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			processed.Add(1)
+			w.WriteHeader(http.StatusNoContent)
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 
