@@ -73,6 +73,11 @@ func (r *Runner) Ready() error {
 				rs = append(rs, Reason{fmt.Sprintf("consumer group %q", e.group), why})
 			}
 		}
+		for _, e := range r.workers {
+			if why := e.w.NotReady(); why != "" {
+				rs = append(rs, Reason{e.name, why})
+			}
+		}
 		if r.relay != nil {
 			if why := r.relay.NotReady(); why != "" {
 				rs = append(rs, Reason{"outbox relay", why})

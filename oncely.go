@@ -127,6 +127,7 @@ type Runner struct {
 	relay         *outbox.Relay
 	cleaner       *dedup.Cleaner
 	consumers     []*consumerEntry
+	workers       []workerEntry
 	loops         []loop // cleanups and services: stopped first, no order among them
 	servers       []*server
 
@@ -154,6 +155,11 @@ type consumerEntry struct {
 type loop struct {
 	name string
 	run  func(ctx context.Context) error
+}
+
+type workerEntry struct {
+	name string
+	w    Worker
 }
 
 // Phases of Run, as /readyz reports them.
@@ -377,6 +383,47 @@ func (r *Runner) AddConsumer(cfg consumer.Config) (*consumer.Consumer, error) {
 	}
 	r.consumers = append(r.consumers, e)
 	return c, nil
+}
+
+// A Worker is a consumer of another broker run beside the Kafka consumers:
+// package natsconsumer's and package rabbitconsumer's Consumer are Workers.
+type Worker interface {
+	// Run consumes until ctx ends, then finishes or hands back what it
+	// holds and returns. An error it returns before then stops the runner.
+	Run(ctx context.Context) error
+	// NotReady says why it does not consume right now, or "" when it
+	// does; /readyz lists it.
+	NotReady() string
+}
+
+// AddWorker adds w, named name in logs and /readyz (for example "jetstream
+// ORDERS/order-worker"), to the components Run runs. It runs as a Kafka
+// consumer does: it starts after the start-up checks, with the consumers;
+// at shutdown its context ends with theirs, and Run waits for it to return
+// before the relay flushes, so the outbox rows its last transactions
+// committed are published. Give it the runner's Pool and Schema, and a
+// shutdown budget that fits in Config.ShutdownTimeout less
+// RelayFlushTimeout (the runner cannot see it). Its connection to its
+// broker is its own: the runner checks no stream or queue; w's Run does.
+func (r *Runner) AddWorker(name string, w Worker) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.addable("AddWorker"); err != nil {
+		return err
+	}
+	switch {
+	case name == "":
+		return invalid("AddWorker", "a name is required (it names the worker in logs and /readyz)")
+	case w == nil:
+		return invalid("AddWorker", "worker %q is nil", name)
+	}
+	for _, e := range r.workers {
+		if e.name == name {
+			return invalid("AddWorker", "a worker named %q was added already", name)
+		}
+	}
+	r.workers = append(r.workers, workerEntry{name, w})
+	return nil
 }
 
 // Relay returns the relay of Config.Relay, or nil.
