@@ -290,10 +290,12 @@ func (r *Runner) newRelay(rc outbox.RelayConfig) error {
 	if err := r.samePool("outbox.RelayConfig.Pool", &rc.Pool); err != nil {
 		return err
 	}
-	if err := r.brokers("outbox.RelayConfig.Brokers", &rc.Brokers); err != nil {
-		return err
+	if rc.Publisher == nil { // else it publishes to another broker: no Kafka
+		if err := r.brokers("outbox.RelayConfig.Brokers", &rc.Brokers); err != nil {
+			return err
+		}
+		rc.ClientOpts = r.kafkaOpts(rc.ClientOpts)
 	}
-	rc.ClientOpts = r.kafkaOpts(rc.ClientOpts)
 	rc.Logger = cmp.Or(rc.Logger, r.cfg.Logger)
 	rc.TracerProvider = cmp.Or(rc.TracerProvider, r.cfg.TracerProvider)
 	rc.MeterProvider = cmp.Or(rc.MeterProvider, r.cfg.MeterProvider)

@@ -9,8 +9,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
 	"github.com/oncely/oncely"
 	"github.com/oncely/oncely/internal/pgtest"
+	"github.com/oncely/oncely/outbox"
 )
 
 // fakeWorker is a Worker whose readiness the test sets, which records when
@@ -111,5 +115,57 @@ func TestRunnerRunsWorkers(t *testing.T) {
 	}
 	if err := r2.Run(t.Context()); err == nil || !strings.Contains(err.Error(), "jetstream ORDERS/workers") || !strings.Contains(err.Error(), "stream ORDERS not found") {
 		t.Fatalf("Run with a failing worker: %v, want its error, naming it", err)
+	}
+}
+
+// chanPublisher is an outbox.Publisher that hands each record to a channel.
+type chanPublisher chan *kgo.Record
+
+func (chanPublisher) System() string           { return "test" }
+func (chanPublisher) Refuse(*kgo.Record) error { return nil }
+func (chanPublisher) Permanent(error) bool     { return false }
+func (p chanPublisher) Publish(_ context.Context, recs []*kgo.Record) []error {
+	for _, r := range recs {
+		p <- r
+	}
+	return make([]error, len(recs))
+}
+
+// TestRunnerRelayToAnotherBroker: a runner whose relay has a Publisher
+// (another broker's) needs no Kafka brokers, and its relay publishes what
+// a transaction enqueued through it.
+func TestRunnerRelayToAnotherBroker(t *testing.T) {
+	t.Parallel()
+	schema, pool := newPool(t)
+	if _, err := oncely.New(oncely.Config{Pool: pool, Schema: schema, Relay: &outbox.RelayConfig{}}); !errors.Is(err, oncely.ErrInvalidConfig) || !strings.Contains(err.Error(), "Brokers") {
+		t.Fatalf("a Kafka relay without brokers: %v, want an error naming Brokers", err)
+	}
+	pub := make(chanPublisher, 1)
+	r, err := oncely.New(oncely.Config{Pool: pool, Schema: schema, Migrate: true, Relay: &outbox.RelayConfig{Publisher: pub}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	pgtest.Eventually(t, 30*time.Second, "the runner ready", func() bool { return r.Ready() == nil })
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := r.Outbox().Enqueue(ctx, tx, outbox.Message{ID: "evt-1", Topic: "order-events", Value: []byte("accepted")})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case rec := <-pub:
+		if rec.Topic != "order-events" || string(rec.Value) != "accepted" {
+			t.Errorf("published %s %q", rec.Topic, rec.Value)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay published nothing in 30s")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Run: %v", err)
 	}
 }
