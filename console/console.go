@@ -124,6 +124,7 @@ type server struct {
 	outbox *outbox.Outbox
 	hooks  *outbound.Store
 	tables struct{ inbox, outbox, deliveries string }
+	dlq    *dlqIndex
 	tmpl   *template.Template
 	log    *slog.Logger
 }
@@ -140,6 +141,7 @@ func New(cfg Config) (http.Handler, error) {
 	s := &server{cfg: cfg, schema: cmp.Or(cfg.Schema, sqlident.DefaultSchema),
 		log: cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))}
 	s.cfg.Timeout = cmp.Or(cfg.Timeout, 15*time.Second)
+	s.dlq = &dlqIndex{opts: cfg.KafkaOpts}
 	var err error
 	if s.inbox, err = dedup.New(dedup.Config{Schema: s.schema}); err != nil {
 		return nil, errors.New("console: Config.Schema: " + err.Error())

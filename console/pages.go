@@ -2,6 +2,7 @@ package console
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/hex"
 	"encoding/json"
@@ -45,7 +46,21 @@ var funcs = template.FuncMap{
 		}
 		return d.Round(time.Second).String()
 	},
-	"redact":    outbound.RedactURL,
+	"redact": outbound.RedactURL,
+	// link is page?query, query being url.Values.Encode's: html/template
+	// would escape its = and & as data.
+	"link": func(page, query string) template.URL {
+		if query == "" {
+			return template.URL(page) //nolint:gosec // a fixed page name
+		}
+		return template.URL(page + "?" + query) //nolint:gosec // url.Values.Encode escapes every value
+	},
+	"add": func(a int, bs ...int) int {
+		for _, b := range bs {
+			a += b
+		}
+		return a
+	},
 	"printable": printable,
 	"clip": func(s string, n int) string {
 		if len(s) <= n {
@@ -57,9 +72,11 @@ var funcs = template.FuncMap{
 
 // ---- Kafka ----
 
+var errNoKafka = errors.New("no Kafka configured (Config.KafkaOpts has no brokers)")
+
 func (s *server) kafka() (*kgo.Client, error) {
 	if len(s.cfg.KafkaOpts) == 0 {
-		return nil, errors.New("no Kafka configured (Config.KafkaOpts has no brokers)")
+		return nil, errNoKafka
 	}
 	return kgo.NewClient(s.cfg.KafkaOpts...)
 }
@@ -173,13 +190,16 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 	d.DLQErr = errText(err)
 	for _, t := range topics {
 		cc := classCount{Topic: t, Counts: map[dlq.Class]int{}}
-		entries, err := dlq.List(ctx, s.cfg.KafkaOpts, t, dlq.Filter{})
+		ti, err := s.dlq.sync(ctx, t)
 		cc.Err = errText(err)
-		for _, e := range entries {
-			cc.Total++
-			if e.Info != nil {
-				cc.Counts[e.Info.Class]++
-			}
+		if err == nil {
+			ti.each(func(e dlq.Entry) bool {
+				cc.Total++
+				if e.Info != nil {
+					cc.Counts[e.Info.Class]++
+				}
+				return true
+			})
 		}
 		d.DeadLetter = append(d.DeadLetter, cc)
 	}
@@ -242,39 +262,49 @@ func parseTime(field, v string) (time.Time, error) {
 	return time.Time{}, badRequest{fmt.Sprintf("%s: %q is neither a time (RFC 3339, or 2006-01-02T15:04 UTC) nor a duration ago such as 24h", field, v)}
 }
 
-// list reads the entries that q selects, in partition and offset order.
-func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Entry, error) {
+// filter returns the dlq.Filter of q.
+func (q dlqQuery) filter(refs []string) (dlq.Filter, error) {
 	if q.Topic == "" {
-		return nil, badRequest{"topic: choose a dead-letter topic"}
+		return dlq.Filter{}, badRequest{"topic: choose a dead-letter topic"}
 	}
 	f := dlq.Filter{SourceTopic: q.Source, Group: q.Group, Class: dlq.Class(q.Class), MessageID: q.MessageID, Refs: refs}
 	if q.Class != "" && !f.Class.Valid() {
-		return nil, badRequest{fmt.Sprintf("class: unknown class %q", q.Class)}
+		return f, badRequest{fmt.Sprintf("class: unknown class %q", q.Class)}
 	}
 	var err error
 	if f.Since, err = parseTime("since", q.Since); err != nil {
-		return nil, err
+		return f, err
 	}
-	if f.Until, err = parseTime("until", q.Until); err != nil {
-		return nil, err
-	}
-	entries, err := dlq.List(ctx, s.cfg.KafkaOpts, q.Topic, f)
+	f.Until, err = parseTime("until", q.Until)
+	return f, err
+}
+
+// list returns the entries that q selects (and refs, when given), in
+// partition and offset order, as dlq.List would on the whole topic. Their
+// records come from the index: they have no value (see withValues).
+func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Entry, error) {
+	f, err := q.filter(refs)
 	if err != nil {
 		return nil, err
 	}
-	if q.Text == "" && q.Key == "" {
-		return entries, nil
+	if len(s.cfg.KafkaOpts) == 0 {
+		return nil, errNoKafka
 	}
-	out := entries[:0]
-	for _, e := range entries {
-		if q.Key != "" && string(e.Record.Key) != q.Key {
-			continue
-		}
-		if q.Text != "" && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), strings.ToLower(q.Text))) {
-			continue
+	t, err := s.dlq.sync(ctx, q.Topic)
+	if err != nil {
+		return nil, err
+	}
+	text := strings.ToLower(q.Text)
+	var out []dlq.Entry
+	t.each(func(e dlq.Entry) bool {
+		if !f.Match(&e) ||
+			q.Key != "" && string(e.Record.Key) != q.Key ||
+			q.Text != "" && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), text)) {
+			return true
 		}
 		out = append(out, e)
-	}
+		return true
+	})
 	return out, nil
 }
 
@@ -282,13 +312,30 @@ type dlqData struct {
 	Topics  []string
 	Classes []dlq.Class
 	Q       dlqQuery
-	Entries []dlq.Entry
-	Shown   int
-	Query   string // the filter as a URL query
+	Matches int         // entries the filter selects
+	Entries []dlq.Entry // this page of them
+	First   int         // the position of Entries[0] among the matches, from 1
+	Next    string      // the query of the next page; empty on the last
+	Query   string      // the filter as a URL query
 }
 
-// maxListed bounds the rows a page lists; counts and actions cover all.
+// pageSize is the number of rows a page lists; counts and actions cover
+// all.
+const pageSize = 100
+
+// maxListed bounds the rows of the lists that have no pages.
 const maxListed = 500
+
+// parseRef reads a dead-letter record's partition/offset.
+func parseRef(field, ref string) (int32, int64, error) {
+	ps, os, ok := strings.Cut(ref, "/")
+	p, err1 := strconv.ParseInt(ps, 10, 32)
+	o, err2 := strconv.ParseInt(os, 10, 64)
+	if !ok || err1 != nil || err2 != nil {
+		return 0, 0, badRequest{fmt.Sprintf("%s: %q is not partition/offset", field, ref)}
+	}
+	return int32(p), o, nil
+}
 
 func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (string, error) {
 	v.Title, v.Nav = "Dead letters", "dlq"
@@ -305,9 +352,34 @@ func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (str
 	if d.Q.Topic == "" {
 		return "dlq.html", nil
 	}
-	d.Entries, err = s.list(ctx, d.Q, nil)
-	d.Shown = min(len(d.Entries), maxListed)
-	return "dlq.html", err
+	// Keyset pages: ?after=partition/offset lists the matches after that
+	// record, whatever was added or redriven before it since.
+	ap, ao := int32(-1), int64(-1)
+	if after := r.URL.Query().Get("after"); after != "" {
+		if ap, ao, err = parseRef("after", after); err != nil {
+			return "dlq.html", err
+		}
+	}
+	entries, err := s.list(ctx, d.Q, nil)
+	if err != nil {
+		return "dlq.html", err
+	}
+	d.Matches = len(entries)
+	i, _ := slices.BinarySearchFunc(entries, [2]int64{int64(ap), ao}, func(e dlq.Entry, k [2]int64) int {
+		return cmp.Or(cmp.Compare(int64(e.Record.Partition), k[0]), cmp.Compare(e.Record.Offset, k[1]))
+	})
+	if i < len(entries) && entries[i].Record.Partition == ap && entries[i].Record.Offset == ao {
+		i++
+	}
+	d.First = i + 1
+	d.Entries = entries[i:min(len(entries), i+pageSize)]
+	if i+pageSize < len(entries) {
+		last := d.Entries[len(d.Entries)-1].Record
+		next := d.Q.Values()
+		next.Set("after", fmt.Sprintf("%d/%d", last.Partition, last.Offset))
+		d.Next = next.Encode()
+	}
+	return "dlq.html", nil
 }
 
 type recordData struct {
@@ -353,6 +425,9 @@ func (s *server) record(ctx context.Context, r *http.Request, v *view) (string, 
 	}
 	if len(entries) == 0 {
 		return "record.html", badRequest{fmt.Sprintf("no record %s in %s", ref, topic)}
+	}
+	if entries, err = s.dlq.withValues(ctx, topic, entries[:1]); err != nil {
+		return "record.html", err
 	}
 	e := &entries[0]
 	d.Entry, d.Key = e, printable(e.Record.Key)
@@ -479,6 +554,9 @@ func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.V
 		entries = kept
 	}
 	args := []any{"topic", q.Topic, "filter", q.Values().Encode(), "refs", refs, "upto", f.Get("upto")}
+	if entries, err = s.dlq.withValues(ctx, q.Topic, entries); err != nil {
+		return "", nil, "", args, err
+	}
 	cl, err := s.kafka()
 	if err != nil {
 		return "", nil, "", args, err

@@ -67,7 +67,9 @@ func (e *InvalidRecordError) Error() string {
 
 func (e *InvalidRecordError) Unwrap() error { return e.Err }
 
-func (f *Filter) match(e *Entry) bool {
+// Match reports whether f selects e. List applies it to the first copy of
+// each dead-lettering (see Entry.Copies); later copies follow the first.
+func (f *Filter) Match(e *Entry) bool {
 	if len(f.Refs) > 0 {
 		ok := false
 		short := fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset)
@@ -145,12 +147,12 @@ func Entries(recs []*kgo.Record, f Filter) ([]Entry, error) {
 				}
 				continue
 			}
-			if !f.match(&e) {
+			if !f.Match(&e) {
 				seen[id] = -1 // remember, so later copies are not listed either
 				continue
 			}
 			seen[id] = len(out)
-		} else if !f.match(&e) {
+		} else if !f.Match(&e) {
 			continue
 		}
 		out = append(out, e)
