@@ -44,6 +44,17 @@ type NotReadyError struct{ Reasons []Reason }
 
 func (e *NotReadyError) Error() string { return "oncely: not ready: " + reasonList(e.Reasons) }
 
+// Unwrap returns each reason as an error ("component: reason"): a caller
+// that does not import this package (the operator console, given
+// Runner.Ready) lists them through the interface{ Unwrap() []error }.
+func (e *NotReadyError) Unwrap() []error {
+	errs := make([]error, len(e.Reasons))
+	for i, r := range e.Reasons {
+		errs[i] = errors.New(r.String())
+	}
+	return errs
+}
+
 // health is what the watch loop last found.
 type health struct {
 	mu      sync.Mutex

@@ -406,3 +406,20 @@ func (in *Inbox) RedriveGranted(ctx context.Context, db DBTX, group, messageID, 
 	}
 	return ok, nil
 }
+
+// EstimateRows returns the planner's estimate of the inbox's row count
+// (reltuples per page times the table's current pages, as the planner
+// scales it), which costs nothing whatever the table's size. It returns -1
+// when the planner has no statistics of the table (never analyzed, or
+// analyzed while empty): count exactly then.
+func (in *Inbox) EstimateRows(ctx context.Context, db DBTX) (int64, error) {
+	var estimate int64
+	err := db.QueryRow(ctx, `SELECT CASE WHEN reltuples > 0 AND relpages > 0
+			THEN (reltuples / relpages * (pg_relation_size(oid) / current_setting('block_size')::bigint))::bigint
+			ELSE -1 END
+		FROM pg_class WHERE oid = to_regclass($1)`, sqlident.Table(in.schema, "inbox")).Scan(&estimate)
+	if err != nil {
+		return 0, fmt.Errorf("dedup: estimate rows: %w", err)
+	}
+	return estimate, nil
+}
