@@ -190,10 +190,33 @@ func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Ent
 	if err != nil {
 		return nil, err
 	}
+	// Refs are looked up by partition and offset, not formatted for every
+	// record (Filter.Match's way); a ref that names another topic or is not
+	// partition/offset selects nothing, as in Filter.Match.
+	var want map[[2]int64]bool
+	if len(refs) > 0 {
+		want = map[[2]int64]bool{}
+		for _, ref := range refs {
+			short := ref
+			if i := strings.LastIndex(ref, "/"); i >= 0 {
+				if j := strings.LastIndex(ref[:i], "/"); j >= 0 {
+					if ref[:j] != q.Topic {
+						continue
+					}
+					short = ref[j+1:]
+				}
+			}
+			if p, o, err := parseRef("ref", short); err == nil && fmt.Sprintf("%d/%d", p, o) == short {
+				want[[2]int64{int64(p), o}] = true
+			}
+		}
+		f.Refs = nil
+	}
 	text := strings.ToLower(q.Text)
 	var out []dlq.Entry
 	t.each(func(e dlq.Entry) bool {
-		if !f.Match(&e) ||
+		if want != nil && !want[[2]int64{int64(e.Record.Partition), e.Record.Offset}] ||
+			!f.Match(&e) ||
 			q.Key != "" && string(e.Record.Key) != q.Key ||
 			q.Text != "" && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), text)) {
 			return true
