@@ -320,7 +320,7 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 		var err error
 		d.Lag, err = s.lag(ctx)
 		d.LagErr = errText(err)
-		d.TrendSince = s.lagHistory.span(now)
+		d.TrendSince = s.lagHistory.span(time.Now()).Truncate(time.Second)
 	})
 	wg.Go(func() {
 		topics, err := s.dlqTopics(ctx)

@@ -160,7 +160,7 @@ func BenchmarkConsolePages(b *testing.B) {
 			UNION ALL
 			SELECT (SELECT min(consumer_group) FROM inbox WHERE consumer_group > groups.g) FROM groups WHERE g IS NOT NULL),
 		sample AS (SELECT consumer_group, count(*) FILTER (WHERE outcome = 'processed') AS processed,
-			count(*) FILTER (WHERE outcome = 'dead_lettered') AS dead, count(*) AS total FROM inbox TABLESAMPLE SYSTEM (` + fmt.Sprint(min(100, 100*20_000/float64(nInbox))) + `) GROUP BY consumer_group)
+			count(*) FILTER (WHERE outcome = 'dead_lettered') AS dead, count(*) AS total FROM inbox TABLESAMPLE SYSTEM (`+fmt.Sprint(min(100, 100*20_000/float64(nInbox)))+`) GROUP BY consumer_group)
 		SELECT groups.g, coalesce(sample.processed, 0), coalesce(sample.dead, 0), coalesce(sample.total, 0)
 		FROM groups LEFT JOIN sample ON sample.consumer_group = groups.g WHERE groups.g IS NOT NULL ORDER BY groups.g`)
 	}
