@@ -375,7 +375,8 @@ type confirmData struct {
 	Refs    []string // a selection, when given
 	Upto    string   // partition:offset of the last matching record, per partition
 	Results []dlq.Result
-	Count   int // records that would be redriven
+	Shown   []dlq.Result // the first pageSize of them
+	Count   int          // records that would be redriven
 	Skipped int
 }
 
@@ -436,6 +437,7 @@ func (s *server) dlqConfirm(ctx context.Context, r *http.Request, v *view) (stri
 	if d.Results, err = s.dryRun(ctx, entries); err != nil {
 		return "confirm.html", err
 	}
+	d.Shown = d.Results[:min(len(d.Results), pageSize)]
 	for _, res := range d.Results {
 		if res.Action == dlq.WouldRedrive {
 			d.Count++

@@ -73,6 +73,8 @@ type Inbox struct {
 	setOut    string
 	lookup    string
 	release   string
+	// LookupMany
+	lookupMany string
 	// redrive grants (GrantRedrive)
 	redriveDead, grant, revoke, granted string
 }
@@ -112,9 +114,10 @@ func New(cfg Config) (*Inbox, error) {
 			ORDER BY u.id -- two batches claiming overlapping ids take their row locks in one order
 			ON CONFLICT (consumer_group, message_id) DO NOTHING
 			RETURNING message_id`,
-		setOut:  `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND message_id = $2`,
-		lookup:  `SELECT outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
-		release: `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
+		setOut:     `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND message_id = $2`,
+		lookup:     `SELECT outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
+		lookupMany: `SELECT message_id, outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = ANY ($2::text[])`,
+		release:    `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
 	}, nil
 }
 
@@ -365,6 +368,25 @@ func (in *Inbox) Lookup(ctx context.Context, db DBTX, group, messageID string) (
 		return "", fmt.Errorf("dedup: lookup %q: %w", messageID, err)
 	}
 	return Outcome(o), nil
+}
+
+// LookupMany returns the outcome of each of ids that group holds (ids it
+// does not hold are absent), in one query.
+func (in *Inbox) LookupMany(ctx context.Context, db DBTX, group string, ids []string) (map[string]Outcome, error) {
+	rows, err := db.Query(ctx, in.lookupMany, group, ids)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: lookup %d ids: %w", len(ids), err)
+	}
+	out := make(map[string]Outcome, len(ids))
+	var id, o string
+	_, err = pgx.ForEachRow(rows, []any{&id, &o}, func() error {
+		out[id] = Outcome(o)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dedup: lookup %d ids: %w", len(ids), err)
+	}
+	return out, nil
 }
 
 // GrantRedrive records that the dead-lettered message id of group may run

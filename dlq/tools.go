@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"time"
 
@@ -226,6 +228,23 @@ func RedriveWith(ctx context.Context, publish func(context.Context, *kgo.Record)
 		return nil, ErrNoInbox
 	}
 	idHeader := cmp.Or(opts.IDHeader, HeaderMessageIDDefault)
+	lookup := func(e *Entry) (dedup.Outcome, error) {
+		return opts.Inbox.Lookup(ctx, opts.DB, e.Info.Group, e.Info.MessageID)
+	}
+	if opts.DryRun && opts.Inbox != nil && opts.DB != nil {
+		// A dry run changes nothing between lookups: the outcomes are read
+		// in a query per group and batch, not one per entry.
+		known, err := lookupAll(ctx, opts, entries)
+		if err != nil {
+			return nil, err
+		}
+		lookup = func(e *Entry) (dedup.Outcome, error) {
+			if o, ok := known[e.Info.Group][e.Info.MessageID]; ok {
+				return o, nil
+			}
+			return "", dedup.ErrNotClaimed
+		}
+	}
 	results := make([]Result, 0, len(entries))
 	for i := range entries {
 		e := &entries[i]
@@ -242,7 +261,7 @@ func RedriveWith(ctx context.Context, publish func(context.Context, *kgo.Record)
 		}
 		res.Topic = cmp.Or(opts.ToTopic, e.Info.Topic)
 		if opts.Inbox != nil && opts.DB != nil {
-			o, err := opts.Inbox.Lookup(ctx, opts.DB, e.Info.Group, e.Info.MessageID)
+			o, err := lookup(e)
 			switch {
 			case err == nil && o == dedup.Processed:
 				res.Action = SkipProcessed
@@ -275,6 +294,31 @@ func RedriveWith(ctx context.Context, publish func(context.Context, *kgo.Record)
 		results = append(results, res)
 	}
 	return results, nil
+}
+
+// lookupBatch is the number of ids lookupAll asks the inbox for at once.
+const lookupBatch = 10_000
+
+// lookupAll returns the inbox outcomes of the entries' ids, by group.
+func lookupAll(ctx context.Context, opts RedriveOptions, entries []Entry) (map[string]map[string]dedup.Outcome, error) {
+	ids := map[string][]string{}
+	for i := range entries {
+		if e := &entries[i]; e.Info != nil && !isStub(e.Record) {
+			ids[e.Info.Group] = append(ids[e.Info.Group], e.Info.MessageID)
+		}
+	}
+	out := make(map[string]map[string]dedup.Outcome, len(ids))
+	for group, all := range ids {
+		out[group] = map[string]dedup.Outcome{}
+		for batch := range slices.Chunk(all, lookupBatch) {
+			got, err := opts.Inbox.LookupMany(ctx, opts.DB, group, batch)
+			if err != nil {
+				return nil, fmt.Errorf("dlq: redrive: %w", err)
+			}
+			maps.Copy(out[group], got)
+		}
+	}
+	return out, nil
 }
 
 func isStub(rec *kgo.Record) bool {

@@ -212,6 +212,26 @@ func BenchmarkConsolePages(b *testing.B) {
 		return topicread.Range(ctx, append(slices.Clone(cfg.KafkaOpts), kgo.FetchMaxPartitionBytes(1)), dlqTopic, map[int32]int64{0: int64(nDead / 2)}, map[int32]int64{0: int64(nDead/2 + 1)},
 			func(*kgo.Record) error { return nil })
 	}
+	// The dry run of "redrive all permanent" (a third of the dead
+	// letters): their inbox outcomes, in a query per group and 10,000 ids.
+	permanent := map[string][]string{}
+	for i := 0; i < nDead; i += 3 {
+		g := "group-" + strconv.Itoa(i%4)
+		permanent[g] = append(permanent[g], "msg-"+strconv.Itoa(i*100))
+	}
+	raw["dlq-confirm"] = func() error {
+		if err := offsets(); err != nil {
+			return err
+		}
+		for g, ids := range permanent {
+			for batch := range slices.Chunk(ids, 10_000) {
+				if _, err := in.LookupMany(ctx, db.Pool, g, batch); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	}
 	raw["overview"] = func() error {
 		groups, err := adm.ListGroups(ctx)
 		if err != nil {
@@ -253,6 +273,7 @@ func BenchmarkConsolePages(b *testing.B) {
 		{"dlq-page-500", "/dlq?topic=" + dlqTopic + "&after=0/" + strconv.Itoa(nDead/2), "dlq", false},
 		{"dlq-filtered", "/dlq?topic=" + dlqTopic + "&class=permanent&text=failure+7", "dlq", true},
 		{"record", "/record?topic=" + dlqTopic + "&ref=0/" + strconv.Itoa(nDead/2), "record", true},
+		{"dlq-confirm", "/dlq-confirm?all=1&class=permanent&topic=" + dlqTopic, "dlq-confirm", true},
 		{"outbox", "/outbox", "outbox", false},
 		{"inbox", "/inbox", "inbox", false},
 		{"inbox-lookup", "/inbox?message_id=msg-" + strconv.Itoa(nInbox/2), "inbox-lookup", false},
