@@ -62,10 +62,6 @@ type identity struct {
 	copies []*indexed
 }
 
-func before(a, b *kgo.Record) bool {
-	return cmp.Or(cmp.Compare(a.Partition, b.Partition), cmp.Compare(a.Offset, b.Offset)) < 0
-}
-
 func (ix *dlqIndex) topic(name string) *topicIndex {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()

@@ -152,7 +152,11 @@ func filterOf(t *testing.T, f url.Values) dlq.Filter {
 
 func getPage(t *testing.T, u string) string {
 	t.Helper()
-	resp, err := http.Get(u) //nolint:noctx // a test's plain GET
+	req, err := http.NewRequestWithContext(context.Background(), http.MethodGet, u, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
