@@ -11,11 +11,13 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/oncely/oncely/console"
 	"github.com/oncely/oncely/dlq"
@@ -166,4 +168,88 @@ func getPage(t *testing.T, u string) string {
 		t.Fatalf("GET %s: %d %v\n%s", u, resp.StatusCode, err, b)
 	}
 	return string(b)
+}
+
+// The console reads a dead-letter topic whole once and then only what it
+// gained: a view with nothing new fetches nothing, and a view after three
+// records more fetches only from where the last read ended, on the one
+// partition that grew.
+func TestConsoleReadsOnlyWhatTheTopicGained(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	k := testenv.NewKafka(t)
+	if k.Cluster == nil {
+		t.Skip("counts the fetch requests of the in-process broker (kfake)")
+	}
+	db := testenv.Migrated(t)
+	topic := testenv.UniqueName("gain") + ".dlq"
+	id := k.CreateTopicNamed(t, topic, 2)
+	producer := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	produce := func(p int32, n int) {
+		t.Helper()
+		for i := range n {
+			info := &dlq.Info{Topic: "orders", Offset: int64(i), Group: "g", MessageID: fmt.Sprintf("m-%d-%d-%d", p, i, time.Now().UnixNano()),
+				Attempts: 1, FirstFailure: time.Now(), LastFailure: time.Now(), Class: dlq.ClassPermanent, Error: "no"}
+			if err := producer.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: p, Value: []byte("v"), Headers: info.Headers()}).FirstErr(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	produce(0, 25)
+	produce(1, 25)
+
+	var mu sync.Mutex
+	fetched := map[int32][]int64{} // partition -> the offsets fetched from
+	k.Cluster.ControlKey(int16(kmsg.Fetch), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, ft := range req.(*kmsg.FetchRequest).Topics {
+			if ft.Topic == topic || ft.TopicID == id {
+				for _, fp := range ft.Partitions {
+					fetched[fp.Partition] = append(fetched[fp.Partition], fp.FetchOffset)
+				}
+			}
+		}
+		return nil, nil, false // observe only
+	})
+	take := func() map[int32][]int64 {
+		mu.Lock()
+		defer mu.Unlock()
+		out := fetched
+		fetched = map[int32][]int64{}
+		return out
+	}
+	opts := append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...)
+	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, DeadLetterTopics: []string{topic}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	view := func(want int) {
+		t.Helper()
+		if m := matchRE.FindStringSubmatch(getPage(t, srv.URL+"/dlq?topic="+topic)); m == nil || m[1] != strconv.Itoa(want) {
+			t.Fatalf("page says %v dead letters match, want %d", m, want)
+		}
+	}
+
+	view(50)
+	if f := take(); len(f[0]) == 0 || f[0][0] != 0 || len(f[1]) == 0 || f[1][0] != 0 {
+		t.Fatalf("first view fetched from %v, want each partition from offset 0", f)
+	}
+	view(50)
+	if f := take(); len(f) != 0 {
+		t.Fatalf("a view with nothing new fetched %v", f)
+	}
+	produce(0, 3)
+	view(53)
+	f := take()
+	if len(f[1]) != 0 || len(f[0]) == 0 {
+		t.Fatalf("after 3 records on partition 0, fetched %v: want partition 0 only", f)
+	}
+	for _, o := range f[0] {
+		if o < 25 {
+			t.Fatalf("after 3 records on partition 0, fetched from offset %d: the first 25 were read already", o)
+		}
+	}
 }
