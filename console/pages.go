@@ -589,6 +589,7 @@ type inboxCounts struct {
 	Groups    []groupCount
 	Total     int64
 	Estimated bool  // Total is the planner's estimate and Groups a sample's split of it
+	FromPages bool  // no statistics: Total is the sample's rows scaled by its share of the pages
 	Sampled   int64 // rows in the sample
 	Oldest    time.Time
 	// Retention is the cleaner's (Config.InboxRetention); 0 when not told.
@@ -605,11 +606,16 @@ const exactInboxBelow = 100_000
 // inboxSample is the number of rows the estimate's split samples.
 const inboxSample = 20_000
 
+// inboxRowsPerPage is a low guess of the inbox rows an 8 KiB page holds
+// (some 70 of about 110 bytes), for a table the planner has no statistics
+// of: the guess only sizes the sample.
+const inboxRowsPerPage = 60
+
 // inboxCounts returns the inbox's rows by group and outcome: counted when
-// the table is small, the planner has no statistics or exact is set, and
-// otherwise estimated, at a cost that does not grow with the table: the
-// planner's row count split by group and outcome as a block sample of about
-// inboxSample rows splits it. Groups too small to appear in the sample are
+// the table is small or exact is set, and otherwise estimated, at a cost
+// that does not grow with the table: the planner's row count (or, with no
+// statistics, the sample's rows scaled by its share of the pages) split by
+// group and outcome as a block sample of about inboxSample rows splits it. Groups too small to appear in the sample are
 // listed with no rows (the group list itself is exact, walked through the
 // primary key).
 func (s *server) inboxCounts(ctx context.Context, exact bool) (inboxCounts, error) {
@@ -626,9 +632,19 @@ func (s *server) inboxCounts(ctx context.Context, exact bool) (inboxCounts, erro
 	if err != nil {
 		return c, err
 	}
+	// A table the planner has no statistics of (never analyzed) is sized
+	// by its pages: counted when small, sampled otherwise, the sample then
+	// giving the total too.
+	var pages int64
+	if estimate < 0 {
+		if err := s.cfg.Pool.QueryRow(ctx, `SELECT pg_relation_size(to_regclass($1)) / current_setting('block_size')::bigint`,
+			s.tables.inbox).Scan(&pages); err != nil {
+			return c, fmt.Errorf("inbox size: %w", err)
+		}
+	}
 	const counts = `SELECT consumer_group, count(*) FILTER (WHERE outcome = 'processed') AS processed,
 			count(*) FILTER (WHERE outcome = 'dead_lettered') AS dead, count(*) AS total FROM `
-	if exact || estimate < exactInboxBelow {
+	if exact || estimate >= 0 && estimate < exactInboxBelow || estimate < 0 && pages*inboxRowsPerPage < exactInboxBelow {
 		rows, err := s.cfg.Pool.Query(ctx, counts+s.tables.inbox+` GROUP BY consumer_group ORDER BY consumer_group`)
 		if err != nil {
 			return c, fmt.Errorf("count inbox rows: %w", err)
@@ -641,8 +657,12 @@ func (s *server) inboxCounts(ctx context.Context, exact bool) (inboxCounts, erro
 		}
 		return c, nil
 	}
-	c.Total, c.Estimated = estimate, true
-	pct := min(100, 100*float64(inboxSample)/float64(estimate))
+	c.Estimated = true
+	pct := 100 * float64(inboxSample) / float64(estimate)
+	if estimate < 0 {
+		pct = 100 * float64(inboxSample) / float64(pages*inboxRowsPerPage)
+	}
+	pct = min(100, pct)
 	rows, err := s.cfg.Pool.Query(ctx, `WITH RECURSIVE groups AS (
 			SELECT min(consumer_group) AS g FROM `+s.tables.inbox+`
 			UNION ALL
@@ -659,10 +679,14 @@ func (s *server) inboxCounts(ctx context.Context, exact bool) (inboxCounts, erro
 	for _, g := range c.Groups {
 		c.Sampled += g.Total
 	}
+	c.Total = estimate
+	if estimate < 0 { // a block sample of pct % of the pages holds about pct % of the rows
+		c.Total, c.FromPages = int64(float64(c.Sampled)*100/pct), true
+	}
 	for i := range c.Groups {
 		g := &c.Groups[i]
 		if c.Sampled > 0 {
-			scale := func(n int64) int64 { return int64(float64(n) * float64(estimate) / float64(c.Sampled)) }
+			scale := func(n int64) int64 { return int64(float64(n) * float64(c.Total) / float64(c.Sampled)) }
 			g.Processed, g.DeadLettered, g.Total = scale(g.Processed), scale(g.DeadLettered), scale(g.Total)
 		}
 	}
