@@ -67,9 +67,11 @@
 //     rows a page (keyset pages by partition/offset); counts, the dry run
 //     and the redrive cover every match.
 //   - The inbox is counted exactly up to 100,000 rows; above, its total
-//     is the planner's estimate, split by group and outcome as a block
-//     sample of about 20,000 rows splits it, and every such figure is
-//     marked ≈ (exact counts on request: /inbox?exact=1).
+//     is the planner's estimate (or, for a table never analyzed, a block
+//     sample's rows scaled by its share of the pages: within about 5 %),
+//     split by group and outcome as a block sample of about 20,000 rows
+//     splits it, and every such figure is marked ≈ (exact counts on
+//     request: /inbox?exact=1).
 //   - Parked outbox rows are listed 100 a page, their held rows counted in
 //     one join.
 //
