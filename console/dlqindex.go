@@ -38,7 +38,7 @@ type topicIndex struct {
 
 	mu     sync.RWMutex // guards what follows
 	parts  map[int32]*partIndex
-	ids    map[string]*identity
+	ids    map[idKey]*identity
 	synced time.Time // when the last refresh listed the end offsets
 }
 
@@ -58,8 +58,15 @@ type indexed struct {
 // identity is one dead-lettering: its copies in partition and offset
 // order, the first of which is listed.
 type identity struct {
-	key    string
+	key    idKey
 	copies []*indexed
+}
+
+// idKey names a dead-lettering: its group, dedup id and source record.
+type idKey struct {
+	group, messageID, topic string
+	partition               int32
+	offset                  int64
 }
 
 func (ix *dlqIndex) topic(name string) *topicIndex {
@@ -70,7 +77,7 @@ func (ix *dlqIndex) topic(name string) *topicIndex {
 	}
 	t := ix.topics[name]
 	if t == nil {
-		t = &topicIndex{parts: map[int32]*partIndex{}, ids: map[string]*identity{}}
+		t = &topicIndex{parts: map[int32]*partIndex{}, ids: map[idKey]*identity{}}
 		ix.topics[name] = t
 	}
 	return t
@@ -121,7 +128,7 @@ func (t *topicIndex) trim(starts, ends map[int32]int64) map[int32]int64 {
 	defer t.mu.Unlock()
 	for p, pi := range t.parts {
 		if end, ok := ends[p]; !ok || end < pi.next {
-			t.parts, t.ids = map[int32]*partIndex{}, map[string]*identity{}
+			t.parts, t.ids = map[int32]*partIndex{}, map[idKey]*identity{}
 			break
 		}
 	}
@@ -169,7 +176,7 @@ func (t *topicIndex) add(recs []*kgo.Record, ends map[int32]int64, at time.Time)
 		r.Headers = stub
 		if x.info != nil {
 			i := x.info
-			key := fmt.Sprintf("%s\x00%s\x00%s/%d/%d", i.Group, i.MessageID, i.Topic, i.Partition, i.Offset)
+			key := idKey{i.Group, i.MessageID, i.Topic, i.Partition, i.Offset}
 			id := t.ids[key]
 			if id == nil {
 				id = &identity{key: key}
