@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -36,10 +35,9 @@ type dlqIndex struct {
 type topicIndex struct {
 	refresh sync.Mutex // one reader of Kafka at a time
 
-	mu     sync.RWMutex // guards what follows
-	parts  map[int32]*partIndex
-	ids    map[idKey]*identity
-	synced time.Time // when the last refresh listed the end offsets
+	mu    sync.RWMutex // guards what follows
+	parts map[int32]*partIndex
+	ids   map[idKey]*identity
 }
 
 type partIndex struct {
@@ -104,7 +102,6 @@ func (ix *dlqIndex) sync(ctx context.Context, topic string) (*topicIndex, error)
 	if err != nil {
 		return nil, fmt.Errorf("dead letters: %w", err)
 	}
-	now := time.Now()
 	from := t.trim(starts, ends)
 	var recs []*kgo.Record
 	err = topicread.Range(ctx, ix.opts, topic, from, ends, func(r *kgo.Record) error {
@@ -116,7 +113,7 @@ func (ix *dlqIndex) sync(ctx context.Context, topic string) (*topicIndex, error)
 		return nil, fmt.Errorf("dead letters: %w", err)
 	}
 	topicread.Sort(recs)
-	t.add(recs, ends, now)
+	t.add(recs, ends)
 	return t, nil
 }
 
@@ -161,7 +158,7 @@ func (t *topicIndex) forget(x *indexed) {
 }
 
 // add indexes recs, sorted by partition and offset, read up to ends.
-func (t *topicIndex) add(recs []*kgo.Record, ends map[int32]int64, at time.Time) {
+func (t *topicIndex) add(recs []*kgo.Record, ends map[int32]int64) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, r := range recs {
@@ -203,7 +200,6 @@ func (t *topicIndex) add(recs []*kgo.Record, ends map[int32]int64, at time.Time)
 		}
 		pi.next = max(pi.next, end)
 	}
-	t.synced = at
 }
 
 // each calls fn with the entry of every listed record (the first copy of
