@@ -461,29 +461,14 @@ func (s *source) PublishDeadLetter(ctx context.Context, rec *kgo.Record, info *d
 	for n := 1; ; n++ {
 		out := nats.NewMsg(subject)
 		out.Data = rec.Value
-		for k, vs := range s.m.Headers() {
-			if k == nats.MsgIdHdr || strings.HasPrefix(strings.ToLower(k), dlq.Prefix) || k == "traceparent" || k == "tracestate" {
-				continue
-			}
-			out.Header[k] = slices.Clone(vs)
-		}
-		for _, h := range info.Headers() {
-			out.Header.Set(h.Key, string(h.Value))
+		for _, h := range c.path.DeadLetterRecord(ctx, rec, info).Headers {
+			out.Header.Add(h.Key, string(h.Value))
 		}
 		out.Header.Set(HeaderStream, s.md.Stream)
 		out.Header.Set(HeaderSubject, rec.Topic)
 		out.Header.Set(HeaderSequence, strconv.FormatUint(s.md.Sequence.Stream, 10))
 		out.Header.Set(HeaderDeliveryCount, strconv.FormatUint(s.md.NumDelivered, 10))
 		out.Header.Set(HeaderConsumer, c.cfg.Durable)
-		if tp := s.m.Headers().Get("traceparent"); tp != "" {
-			out.Header.Set(dlq.HeaderOriginalTraceParent, tp)
-		}
-		// The copy continues from the dead-letter send span.
-		var tc []kgo.RecordHeader
-		telemetry.Inject(ctx, &tc)
-		for _, h := range tc {
-			out.Header.Set(h.Key, string(h.Value))
-		}
 		out.Header.Set(nats.MsgIdHdr, fmt.Sprintf("%s/%d/%s", s.md.Stream, s.md.Sequence.Stream, c.cfg.Durable))
 		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		_, err := c.cfg.JetStream.PublishMsg(pctx, out)
