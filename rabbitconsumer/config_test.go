@@ -1,0 +1,35 @@
+package rabbitconsumer
+
+import (
+	"errors"
+	"strings"
+	"testing"
+)
+
+// Each invalid setting fails New with ErrInvalidConfig and the field's name.
+func TestNewNamesTheInvalidField(t *testing.T) {
+	const url = "amqp://guest:guest@127.0.0.1:5672/"
+	q := []string{"orders"}
+	for _, tc := range []struct {
+		field string
+		cfg   Config
+	}{
+		{"URL", Config{Queues: q, Group: "g"}},
+		{"URL", Config{URL: "http://x", Queues: q, Group: "g"}},
+		{"Queues", Config{URL: url, Group: "g"}},
+		{"Queues", Config{URL: url, Queues: []string{"a", "a"}, Group: "g"}},
+		{"Queues", Config{URL: url, Queues: []string{""}, Group: "g"}},
+		{"Group", Config{URL: url, Queues: q}},
+		{"Concurrency", Config{URL: url, Queues: q, Group: "g", Concurrency: -1}},
+		{"Prefetch", Config{URL: url, Queues: q, Group: "g", Concurrency: 4, Prefetch: 2}},
+		{"DeadLetterRoutingKey", Config{URL: url, Queues: q, Group: "g", DeadLetterRoutingKey: func(q string) string { return q }}},
+		{"ShutdownTimeout", Config{URL: url, Queues: q, Group: "g", ShutdownTimeout: -1}},
+		{"Pool", Config{URL: url, Queues: q, Group: "g"}},
+	} {
+		field := tc.field
+		_, err := New(tc.cfg)
+		if !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), field) {
+			t.Errorf("%s: got %v, want ErrInvalidConfig naming %s", field, err, field)
+		}
+	}
+}

@@ -1,0 +1,787 @@
+package rabbitconsumer
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/ratelog"
+	"github.com/oncely/oncely/internal/telemetry"
+	"github.com/oncely/oncely/internal/testhook"
+)
+
+// Provenance headers of a dead-letter message, beside the oncely-dlq-*
+// headers of package dlq (group, message id, attempts, failure times, error
+// class, error, trace context; its topic header holds the queue and its
+// offset header the delivery tag).
+const (
+	HeaderQueue         = dlq.Prefix + "queue"          // the queue the message was consumed from
+	HeaderExchange      = dlq.Prefix + "exchange"       // the exchange it was published to ("" for the default exchange)
+	HeaderRoutingKey    = dlq.Prefix + "routing-key"    // the routing key it was published with
+	HeaderDeliveryTag   = dlq.Prefix + "delivery-tag"   // the delivery tag of the last delivery, decimal
+	HeaderRedelivered   = dlq.Prefix + "redelivered"    // the last delivery's redelivered flag, "true" or "false"
+	HeaderDeliveryCount = dlq.Prefix + "delivery-count" // the quorum queue's x-delivery-count of the last delivery, decimal (0 on a classic queue)
+)
+
+// DeliveryCountHeader is the header in which a quorum queue counts a
+// message's earlier deliveries; a classic queue sets none.
+const DeliveryCountHeader = "x-delivery-count"
+
+// System is the messaging.system of spans and metrics.
+const System = "rabbitmq"
+
+// Defaults of Config.
+const (
+	DefaultConcurrency = 1
+	DefaultMaxAttempts = consumer.DefaultMaxAttempts
+)
+
+// DefaultDeadLetterRoutingKey is Config.DeadLetterRoutingKey when it is nil:
+// the queue's name followed by ".dlq". With the default exchange (the
+// default DeadLetterExchange, "") it names the dead-letter queue itself.
+func DefaultDeadLetterRoutingKey(queue string) string { return queue + ".dlq" }
+
+// Config configures a Consumer. URL or Dial, Queues, Group, Pool and Handler
+// are required.
+type Config struct {
+	// URL is the AMQP URL to dial ("amqp://guest:guest@localhost:5672/").
+	// One of URL and Dial is required.
+	URL string
+	// Dial, when set, opens the connections instead of URL (TLS, another
+	// vhost, credentials from a vault...). The Consumer owns and closes
+	// each connection it returns, and calls it again after a connection
+	// is lost.
+	Dial func(ctx context.Context) (*amqp.Connection, error)
+	// Queues are consumed, each with its own consumer on one channel.
+	// They must exist (Run declares them passively). Required.
+	Queues []string
+	// Group is the inbox's consumer group: two Groups process the same
+	// message independently, and consumers of one Group (replicas) share
+	// its messages' ids. Required.
+	Group string
+
+	Pool   *pgxpool.Pool
+	Schema string // default "oncely"
+
+	// Handler runs once per new message id, inside the transaction that
+	// claimed it. Message.Topic is the queue, Message.Offset the delivery
+	// tag, Message.Attempt the attempt counted with the queue's delivery
+	// count (Delivery returns the AMQP delivery itself).
+	Handler consumer.Handler
+
+	// MessageIDHeader is the header read for the dedup id when the
+	// message has no message_id property. Default "message-id". A message
+	// with neither has no identity that survives a redelivery: it is
+	// dead-lettered at once (class undecodable), never processed without
+	// the guarantee.
+	MessageIDHeader string
+
+	// MaxAttempts is how many attempts a failing message gets before it
+	// is dead-lettered. On a quorum queue, deliveries that ended without a
+	// verdict (the process or its connection died) count too, from the
+	// queue's x-delivery-count: a delivery that comes after MaxAttempts of
+	// them dead-letters the message (class crash_loop) without running
+	// it. Default 10.
+	MaxAttempts int
+	// RetryBaseDelay and RetryMaxDelay bound the backoff between attempts
+	// (exponential, full jitter). A message waiting for its next attempt
+	// stays unacknowledged and holds one of Prefetch's places, not one of
+	// Concurrency's. Defaults 100ms and 30s.
+	RetryBaseDelay, RetryMaxDelay time.Duration
+	// Concurrency is how many messages run at once, each in its own
+	// transaction, across all Queues. Default 1.
+	Concurrency int
+	// Prefetch is the most unacknowledged messages RabbitMQ hands over per
+	// queue (basic.qos): those running, those waiting for a retry and
+	// those waiting for a place. Default 4×Concurrency; at least
+	// Concurrency.
+	Prefetch int
+	// DeadLetterExchange is the exchange dead letters are published to.
+	// Default "": the default exchange, which routes a routing key to the
+	// queue of that name.
+	DeadLetterExchange string
+	// DeadLetterRoutingKey names the routing key of a queue's dead
+	// letters. Default DefaultDeadLetterRoutingKey. A dead letter that no
+	// queue takes is an error (published mandatory): the message waits.
+	DeadLetterRoutingKey func(queue string) string
+	// ShutdownTimeout bounds how long Run waits for messages in progress
+	// when asked to stop. Default 30s.
+	ShutdownTimeout time.Duration
+	// ReconnectMaxDelay bounds the backoff between connection attempts.
+	// Default 5s.
+	ReconnectMaxDelay time.Duration
+
+	Logger         *slog.Logger
+	TracerProvider trace.TracerProvider
+	MeterProvider  metric.MeterProvider
+	// UntrustedProducers makes each process span a new root, linked to the
+	// producer's trace context instead of parented to it.
+	UntrustedProducers bool
+}
+
+// ErrInvalidConfig is wrapped by New's errors, which name the field.
+var ErrInvalidConfig = consumer.ErrInvalidConfig
+
+// ErrNoMessageID is the error of a message that has neither a message_id
+// property nor the MessageIDHeader header: it is dead-lettered.
+var ErrNoMessageID = errors.New("rabbitconsumer: message has no message_id property and no message id header")
+
+// Consumer consumes RabbitMQ queues so that its handler's effects happen
+// once per (Group, message id). Create it with New and run it with Run.
+type Consumer struct {
+	cfg     Config
+	path    *consumer.Consumer
+	backoff backoff.Policy
+	// outage writes the warnings that repeat while RabbitMQ is
+	// unreachable, at most one of a kind a minute.
+	outage *ratelog.Limiter
+
+	running  atomic.Bool
+	conn     atomic.Pointer[string] // nil while connected; else why not
+	dbWaits  atomic.Int64           // deliveries waiting for the database
+	classic  sync.Map               // queues seen redelivering without x-delivery-count
+	sessions atomic.Int64           // connections established
+}
+
+// New validates cfg and returns a Consumer.
+func New(cfg Config) (*Consumer, error) {
+	cfg.MaxAttempts = cmp.Or(cfg.MaxAttempts, DefaultMaxAttempts)
+	cfg.Concurrency = cmp.Or(cfg.Concurrency, DefaultConcurrency)
+	cfg.Prefetch = cmp.Or(cfg.Prefetch, 4*cfg.Concurrency)
+	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, 30*time.Second)
+	cfg.ReconnectMaxDelay = cmp.Or(cfg.ReconnectMaxDelay, 5*time.Second)
+	cfg.RetryBaseDelay = cmp.Or(cfg.RetryBaseDelay, 100*time.Millisecond)
+	cfg.RetryMaxDelay = cmp.Or(cfg.RetryMaxDelay, 30*time.Second)
+	cfg.MessageIDHeader = cmp.Or(cfg.MessageIDHeader, dlq.HeaderMessageIDDefault)
+	if cfg.DeadLetterRoutingKey == nil {
+		cfg.DeadLetterRoutingKey = DefaultDeadLetterRoutingKey
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	invalid := func(field, format string, args ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrInvalidConfig, field, fmt.Sprintf(format, args...))
+	}
+	switch {
+	case cfg.URL == "" && cfg.Dial == nil:
+		return nil, invalid("URL", "an AMQP URL (or a Dial func) is required")
+	case cfg.URL != "" && cfg.Dial != nil:
+		return nil, invalid("Dial", "set URL or Dial, not both")
+	case len(cfg.Queues) == 0:
+		return nil, invalid("Queues", "at least one queue is required")
+	case cfg.Group == "":
+		return nil, invalid("Group", "a consumer group name is required")
+	case cfg.Concurrency < 1:
+		return nil, invalid("Concurrency", "must be at least 1, got %d", cfg.Concurrency)
+	case cfg.Prefetch < cfg.Concurrency || cfg.Prefetch > 65535:
+		return nil, invalid("Prefetch", "must be from Concurrency (%d) to 65535, got %d", cfg.Concurrency, cfg.Prefetch)
+	case cfg.ShutdownTimeout < 0:
+		return nil, invalid("ShutdownTimeout", "must not be negative, got %s", cfg.ShutdownTimeout)
+	}
+	if cfg.URL != "" {
+		if _, err := amqp.ParseURI(cfg.URL); err != nil {
+			return nil, invalid("URL", "%v", err)
+		}
+	}
+	for i, q := range cfg.Queues {
+		switch {
+		case q == "" || len(q) > 255:
+			return nil, invalid("Queues", "queue %d: a name of 1 to 255 bytes is required, got %q", i, q)
+		case slices.Index(cfg.Queues, q) != i:
+			return nil, invalid("Queues", "queue %q is listed twice", q)
+		}
+		if k := cfg.DeadLetterRoutingKey(q); cfg.DeadLetterExchange == "" && (k == q || k == "") {
+			return nil, invalid("DeadLetterRoutingKey", "queue %q: the dead letters would go to %q", q, k)
+		}
+	}
+	idHeader := cfg.MessageIDHeader
+	path, err := consumer.NewRecordPath(consumer.Config{
+		Group: cfg.Group, Pool: cfg.Pool, Schema: cfg.Schema, Handler: cfg.Handler,
+		// The message_id property, then MessageIDHeader; else none.
+		KeyFunc: func(rec *kgo.Record) (string, error) {
+			if d, ok := deliveryOf(rec); ok && d.MessageId != "" {
+				return d.MessageId, nil
+			}
+			for _, h := range rec.Headers {
+				if len(h.Value) > 0 && strings.EqualFold(h.Key, idHeader) {
+					return string(h.Value), nil
+				}
+			}
+			return "", fmt.Errorf("%w %q", ErrNoMessageID, idHeader)
+		},
+		MessageIDHeader: idHeader, MaxAttempts: cfg.MaxAttempts,
+		RetryBaseDelay: cfg.RetryBaseDelay, RetryMaxDelay: cfg.RetryMaxDelay,
+		DeadLetterTopic: cfg.DeadLetterRoutingKey,
+		Logger:          cfg.Logger, TracerProvider: cfg.TracerProvider, MeterProvider: cfg.MeterProvider,
+		UntrustedProducers: cfg.UntrustedProducers,
+	}, System)
+	if err != nil {
+		return nil, err
+	}
+	c := &Consumer{cfg: cfg, path: path, backoff: backoff.Policy{Base: cfg.RetryBaseDelay, Max: cfg.RetryMaxDelay},
+		outage: ratelog.New(cfg.Logger, time.Minute)}
+	c.disconnected("not connected yet")
+	return c, nil
+}
+
+// Stats returns the record path's counters (OffsetCommits and
+// PartitionsHeld stay 0; CrashLoops counts messages dead-lettered after
+// MaxAttempts deliveries that none finished).
+func (c *Consumer) Stats() consumer.Stats { return c.path.Stats() }
+
+// Connections is how many connections Run has established: more than one
+// after a lost connection was replaced.
+func (c *Consumer) Connections() int64 { return c.sessions.Load() }
+
+// Ready reports whether NotReady is empty.
+func (c *Consumer) Ready() bool { return c.NotReady() == "" }
+
+// NotReady says why the consumer is not consuming, or "" when it is: Run
+// is not running, RabbitMQ is not connected (between a lost connection and
+// the next), or a message waits for the database.
+func (c *Consumer) NotReady() string {
+	switch {
+	case !c.running.Load():
+		return "not running"
+	case c.conn.Load() != nil:
+		return "RabbitMQ: " + *c.conn.Load()
+	case c.dbWaits.Load() > 0:
+		return "the database is unreachable"
+	}
+	return ""
+}
+
+func (c *Consumer) disconnected(why string) { c.conn.Store(&why) }
+
+// deliveryKey carries a record's AMQP delivery in its Context.
+type deliveryKey struct{}
+
+// deliveryOf returns the delivery that rec was made from.
+func deliveryOf(rec *kgo.Record) (*amqp.Delivery, bool) {
+	if rec == nil || rec.Context == nil {
+		return nil, false
+	}
+	d, ok := rec.Context.Value(deliveryKey{}).(*amqp.Delivery)
+	return d, ok
+}
+
+// Delivery returns the AMQP delivery of a message that a Consumer hands to
+// its Handler (its properties: reply-to, correlation id, content type...).
+// Do not acknowledge it: the Consumer does, after the commit.
+func Delivery(msg *consumer.Message) (*amqp.Delivery, bool) { return deliveryOf(msg.Record) }
+
+// startupError is a check that fails at start-up: a missing queue or
+// dead-letter destination.
+type startupError struct{ err error }
+
+func (e startupError) Error() string { return e.err.Error() }
+func (e startupError) Unwrap() error { return e.err }
+
+// Run connects, checks that the inbox table (consumer.ErrNotMigrated), the
+// Queues and the dead-letter destination exist, and consumes until ctx is
+// cancelled; then it finishes the messages in progress (bounded by
+// ShutdownTimeout) and returns nil. A lost connection or channel is
+// replaced, with backoff; its unacknowledged messages come again, and the
+// inbox recognises those that had committed. RabbitMQ unreachable at
+// start-up is waited for, like a lost connection.
+func (c *Consumer) Run(ctx context.Context) error {
+	if err := c.path.CheckSchema(ctx); err != nil {
+		return err
+	}
+	if !c.running.CompareAndSwap(false, true) {
+		return errors.New("rabbitconsumer: Run is already running")
+	}
+	defer c.running.Store(false)
+	r := &run{c: c, hooks: testhook.ConsumerFrom(ctx), slots: make(chan struct{}, c.cfg.Concurrency)}
+	// In-progress messages survive ctx, for the drain; workCtx ends them.
+	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	r.workCtx = workCtx
+	runCtx, cancelRun := context.WithCancelCause(ctx)
+	defer cancelRun(nil)
+	r.ctx, r.fail = runCtx, cancelRun
+	c.cfg.Logger.Info("oncely rabbitmq consumer started", "queues", c.cfg.Queues, "group", c.cfg.Group)
+
+	reconnect := backoff.Policy{Base: 100 * time.Millisecond, Max: c.cfg.ReconnectMaxDelay}
+	for n := 1; runCtx.Err() == nil; n++ {
+		err := r.session(runCtx)
+		if r.connected {
+			n, r.connected = 1, false
+		}
+		if se := (startupError{}); errors.As(err, &se) && !r.checked {
+			cancelRun(err) // a configuration error: no wait will mend it
+		}
+		if err == nil || runCtx.Err() != nil {
+			break
+		}
+		c.disconnected(err.Error())
+		delay := reconnect.Delay(n)
+		c.outage.Warn(runCtx, "oncely rabbitmq connection failed; reconnecting", "queues", c.cfg.Queues, "delay", delay, "err", err)
+		r.pause(runCtx, delay)
+	}
+	c.disconnected("stopped")
+	done := make(chan struct{})
+	go func() { r.wg.Wait(); close(done) }()
+	t := time.NewTimer(c.cfg.ShutdownTimeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		cancelWork() // abandoned: their transactions roll back, RabbitMQ delivers them again
+		<-done
+	}
+	r.closeConn()
+	if err := context.Cause(runCtx); err != nil && !errors.Is(err, context.Cause(ctx)) {
+		c.cfg.Logger.Error("oncely rabbitmq consumer stopped", "err", err)
+		return err
+	}
+	c.cfg.Logger.Info("oncely rabbitmq consumer stopped", "queues", c.cfg.Queues, "group", c.cfg.Group)
+	return nil
+}
+
+// run is the state of one Run call.
+type run struct {
+	c       *Consumer
+	hooks   *testhook.Consumer
+	ctx     context.Context // ends when Run is asked to stop, or fails
+	workCtx context.Context // ends when the drain gives up
+	// fail stops Run, which returns its error: a simulated crash, or a
+	// start-up check that failed.
+	fail  context.CancelCauseFunc
+	slots chan struct{} // Concurrency: a place per running attempt
+	wg    sync.WaitGroup
+
+	// checked: a session's start-up checks passed once; a check failing
+	// later (a queue deleted while running) is waited out like an outage.
+	checked bool
+	// connected: the last session consumed (the reconnection backoff
+	// starts again).
+	connected bool
+
+	mu   sync.Mutex
+	conn *amqp.Connection // the current connection; closed at the end
+}
+
+// pause waits d; false once ctx ends.
+func (r *run) pause(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func (r *run) closeConn() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.conn != nil {
+		_ = r.conn.Close()
+		r.conn = nil
+	}
+}
+
+// dial opens a connection with fn, or else to url, named name in
+// RabbitMQ's connection list, with 10s heartbeats.
+func dial(ctx context.Context, url string, fn func(context.Context) (*amqp.Connection, error), name string) (*amqp.Connection, error) {
+	var conn *amqp.Connection
+	var err error
+	if fn != nil {
+		conn, err = fn(ctx)
+	} else {
+		props := amqp.NewConnectionProperties()
+		props.SetClientConnectionName(name)
+		conn, err = amqp.DialConfig(url, amqp.Config{Heartbeat: 10 * time.Second, Properties: props, Dial: amqp.DefaultDial(10 * time.Second)})
+	}
+	if err != nil {
+		return nil, fmt.Errorf("rabbitconsumer: connect: %w", err)
+	}
+	return conn, nil
+}
+
+// session runs one connection: it checks the queues and the dead-letter
+// destination, consumes every queue and returns when the connection or a
+// channel closed (its error) or ctx ended (nil: the consumers are
+// cancelled, and the connection stays open for the messages in progress
+// to settle; Run closes it). A check that fails is a startupError.
+func (r *run) session(ctx context.Context) error {
+	c := r.c
+	conn, err := dial(ctx, c.cfg.URL, c.cfg.Dial, "oncely consumer "+c.cfg.Group)
+	if err != nil {
+		return err
+	}
+	r.closeConn()
+	r.mu.Lock()
+	r.conn = conn
+	r.mu.Unlock()
+	stopping := false
+	// lost ends the waits of this connection's deliveries: it can no
+	// longer settle them, or Run stops.
+	lost := make(chan struct{})
+	var consumers sync.WaitGroup
+	defer func() {
+		close(lost)
+		if !stopping {
+			_ = conn.Close() // ends the consumers' delivery channels
+		}
+		consumers.Wait()
+	}()
+	connClosed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	if err := r.check(conn); err != nil {
+		return err
+	}
+	r.checked = true
+	pub, err := newConfirmer(conn)
+	if err != nil {
+		return err
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		return fmt.Errorf("rabbitconsumer: open consuming channel: %w", err)
+	}
+	chClosed := ch.NotifyClose(make(chan *amqp.Error, 1))
+	pubClosed := pub.ch.NotifyClose(make(chan *amqp.Error, 1))
+	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
+		return fmt.Errorf("rabbitconsumer: basic.qos prefetch %d: %w", c.cfg.Prefetch, err)
+	}
+	s := &session{r: r, ch: ch, pub: pub, lost: lost}
+	tags := make([]string, len(c.cfg.Queues))
+	for i, q := range c.cfg.Queues {
+		tags[i] = "oncely-" + c.cfg.Group + "-" + strconv.Itoa(i)
+		deliveries, err := ch.Consume(q, tags[i], false, false, false, false, nil)
+		if err != nil {
+			return fmt.Errorf("rabbitconsumer: consume queue %q: %w", q, err)
+		}
+		consumers.Add(1)
+		go func() {
+			defer consumers.Done()
+			for d := range deliveries {
+				r.wg.Add(1)
+				go func() {
+					defer r.wg.Done()
+					s.handle(q, d)
+				}()
+			}
+		}()
+	}
+	c.sessions.Add(1)
+	r.connected = true
+	c.conn.Store(nil)
+	c.cfg.Logger.Info("oncely rabbitmq connected", "queues", c.cfg.Queues, "prefetch", c.cfg.Prefetch)
+	var closed *amqp.Error
+	select {
+	case <-ctx.Done():
+		// No new deliveries; those in progress settle on this channel.
+		stopping = true
+		for _, tag := range tags {
+			_ = ch.Cancel(tag, false)
+		}
+		return nil
+	case closed = <-connClosed:
+	case closed = <-chClosed:
+	case closed = <-pubClosed:
+	}
+	if closed == nil {
+		closed = amqp.ErrClosed
+	}
+	c.disconnected("connection lost: " + closed.Error())
+	return fmt.Errorf("rabbitconsumer: connection or channel closed: %w", closed)
+}
+
+// check declares each queue and the dead-letter destination passively, on
+// a channel of its own (a failed passive declaration closes its channel).
+func (r *run) check(conn *amqp.Connection) error {
+	c := r.c
+	passive := func(what string, declare func(*amqp.Channel) error) error {
+		ch, err := conn.Channel()
+		if err != nil {
+			return fmt.Errorf("rabbitconsumer: open channel: %w", err)
+		}
+		defer func() { _ = ch.Close() }()
+		if err := declare(ch); err != nil {
+			var ae *amqp.Error
+			if errors.As(err, &ae) && ae.Code == amqp.NotFound {
+				return startupError{fmt.Errorf("rabbitconsumer: %s does not exist: %w", what, err)}
+			}
+			return fmt.Errorf("rabbitconsumer: %s: %w", what, err)
+		}
+		return nil
+	}
+	for _, q := range c.cfg.Queues {
+		if err := passive(fmt.Sprintf("queue %q (Queues)", q), func(ch *amqp.Channel) error {
+			_, err := ch.QueueDeclarePassive(q, true, false, false, false, nil)
+			return err
+		}); err != nil {
+			return err
+		}
+		if c.cfg.DeadLetterExchange != "" {
+			continue
+		}
+		dq := c.cfg.DeadLetterRoutingKey(q)
+		if err := passive(fmt.Sprintf("dead-letter queue %q (DeadLetterRoutingKey of queue %q)", dq, q), func(ch *amqp.Channel) error {
+			_, err := ch.QueueDeclarePassive(dq, true, false, false, false, nil)
+			return err
+		}); err != nil {
+			return err
+		}
+	}
+	if x := c.cfg.DeadLetterExchange; x != "" {
+		return passive(fmt.Sprintf("dead-letter exchange %q (DeadLetterExchange)", x), func(ch *amqp.Channel) error {
+			return ch.ExchangeDeclarePassive(x, "direct", true, false, false, false, nil)
+		})
+	}
+	return nil
+}
+
+// session is one connection's channels.
+type session struct {
+	r    *run
+	ch   *amqp.Channel // consuming: its deliveries are acknowledged on it
+	pub  *confirmer    // dead letters
+	lost chan struct{} // closed when the connection is replaced or Run stops
+}
+
+// handle runs one delivery through the record path in a place of
+// Concurrency.
+func (s *session) handle(queue string, d amqp.Delivery) {
+	r := s.r
+	select {
+	case r.slots <- struct{}{}:
+	case <-s.lost:
+		return // unacknowledged: it comes again on the next connection
+	case <-r.ctx.Done():
+		return
+	}
+	src := &source{s: s, d: &d, queue: queue, held: true}
+	defer src.release()
+	defer src.DatabaseDown(false)
+	rec := record(queue, &d)
+	src.spent = src.deliveryCount()
+	ctx := consumer.WithSpanAttributes(r.workCtx, telemetry.MessagingRabbitMQRoutingKey.String(d.RoutingKey),
+		telemetry.MessagingRabbitMQDeliveryTag.Int64(int64(d.DeliveryTag)))
+	r.c.path.Deliver(ctx, rec, src)
+}
+
+// record is d as the record path sees it: Topic the queue, Offset the
+// delivery tag, the headers in key order (values that are not strings or
+// bytes in their text form), Timestamp the timestamp property, or the time
+// of delivery without one. Its Context carries d (Delivery).
+func record(queue string, d *amqp.Delivery) *kgo.Record {
+	rec := &kgo.Record{Topic: queue, Offset: int64(d.DeliveryTag), Value: d.Body, Timestamp: d.Timestamp,
+		Context: context.WithValue(context.Background(), deliveryKey{}, d)}
+	if rec.Timestamp.IsZero() {
+		rec.Timestamp = time.Now()
+	}
+	for _, k := range slices.Sorted(maps.Keys(d.Headers)) {
+		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: headerBytes(d.Headers[k])})
+	}
+	return rec
+}
+
+// headerBytes is an AMQP table value as a record header's value.
+func headerBytes(v any) []byte {
+	switch v := v.(type) {
+	case string:
+		return []byte(v)
+	case []byte:
+		return v
+	case nil:
+		return nil
+	}
+	return fmt.Append(nil, v)
+}
+
+// source is one AMQP delivery as a consumer.Source.
+type source struct {
+	s     *session
+	d     *amqp.Delivery
+	queue string
+	spent int
+	held  bool // holds a place of Concurrency
+	// dbDown: the database did not answer the last attempt (counted in
+	// Consumer.dbWaits).
+	dbDown bool
+}
+
+func (s *source) release() {
+	if s.held {
+		<-s.s.r.slots
+		s.held = false
+	}
+}
+
+// deliveryCount is the quorum queue's count of d's earlier deliveries. A
+// redelivery without one (a classic queue) is warned about, once per queue:
+// deliveries that end with the process are not counted there.
+func (s *source) deliveryCount() int {
+	switch v := s.d.Headers[DeliveryCountHeader].(type) {
+	case int64:
+		return int(v)
+	case int32:
+		return int(v)
+	case int:
+		return int(v)
+	}
+	if s.d.Redelivered {
+		if _, seen := s.s.r.c.classic.LoadOrStore(s.queue, true); !seen {
+			s.s.r.c.cfg.Logger.Warn("oncely rabbitmq queue redelivers without x-delivery-count (a classic queue?): "+
+				"a message that kills the process is not detected there; use a quorum queue", "queue", s.queue)
+		}
+	}
+	return 0
+}
+
+// Spent: the deliveries before this one that reached no verdict, each an
+// attempt (a quorum queue's x-delivery-count; 0 on a classic queue).
+func (s *source) Spent() int { return s.spent }
+
+// wait waits d; false once the connection is lost or the drain gives up.
+func (s *source) wait(d time.Duration, stop <-chan struct{}) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-s.s.lost:
+	case <-s.s.r.workCtx.Done():
+	case <-stop:
+	}
+	return false
+}
+
+// Pause waits d in its place (contention, or the database unreachable).
+func (s *source) Pause(d time.Duration) bool { return s.wait(d, nil) }
+
+// Retry waits delay outside its place of Concurrency, so that other
+// messages run meanwhile, and takes a place again: the message stays
+// unacknowledged here, holding one of Prefetch's places. It reports false
+// (the message comes again, with a higher delivery count) when the
+// connection is lost or Run stops first.
+func (s *source) Retry(_ context.Context, delay time.Duration) bool {
+	s.release()
+	if !s.wait(delay, s.s.r.ctx.Done()) {
+		return false
+	}
+	select {
+	case s.s.r.slots <- struct{}{}:
+		s.held = true
+		return true
+	case <-s.s.lost:
+	case <-s.s.r.ctx.Done():
+	}
+	return false
+}
+
+// DatabaseDown counts the delivery among those waiting for the database
+// (NotReady) while the database does not answer it.
+func (s *source) DatabaseDown(down bool) {
+	if down != s.dbDown {
+		s.dbDown = down
+		if down {
+			s.s.r.c.dbWaits.Add(1)
+		} else {
+			s.s.r.c.dbWaits.Add(-1)
+		}
+	}
+}
+
+// Settle acknowledges the delivery, after the crash-point hooks. An ack on
+// a lost connection fails: RabbitMQ delivers the message again, and the
+// inbox skips it.
+func (s *source) Settle(_ context.Context, rec *kgo.Record, deadLettered bool) bool {
+	r := s.s.r
+	h := r.hooks.AfterCommit
+	if deadLettered {
+		h = r.hooks.AfterDeadLetter
+	}
+	if h != nil {
+		if err := h(rec); errors.Is(err, testhook.ErrCrash) {
+			r.fail(fmt.Errorf("rabbitconsumer: %w", err))
+			return false
+		}
+	}
+	if err := s.d.Ack(false); err != nil {
+		r.c.cfg.Logger.Warn("oncely rabbitmq ack failed; the message comes again and is skipped as a duplicate",
+			"queue", s.queue, "delivery_tag", s.d.DeliveryTag, "err", err)
+		return false
+	}
+	return true
+}
+
+// PublishDeadLetter publishes the dead-letter copy (the message's body,
+// properties and headers, package dlq's headers and the provenance headers)
+// to DeadLetterExchange with the queue's DeadLetterRoutingKey, mandatory
+// and persistent, and waits for the publisher confirmation, retrying with
+// backoff meanwhile. It gives up only when the connection is lost (the
+// message comes again) or the drain ends.
+func (s *source) PublishDeadLetter(ctx context.Context, rec *kgo.Record, info *dlq.Info) bool {
+	c := s.s.r.c
+	exchange, key := c.cfg.DeadLetterExchange, c.cfg.DeadLetterRoutingKey(s.queue)
+	for n := 1; ; n++ {
+		msg := s.deadLetter(c.path.DeadLetterRecord(ctx, rec, info))
+		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := s.s.pub.publish(pctx, exchange, key, msg)
+		cancel()
+		if err == nil {
+			return true
+		}
+		if ctx.Err() != nil {
+			telemetry.Fail(trace.SpanFromContext(ctx), err, "publish")
+			return false
+		}
+		delay := c.backoff.Delay(n)
+		c.outage.Warn(ctx, "oncely rabbitmq dead-letter publish failed; the message waits", "queue", s.queue,
+			"exchange", exchange, "routing_key", key, "delay", delay, "err", err)
+		if !s.Pause(delay) {
+			return false
+		}
+	}
+}
+
+// deadLetter is the AMQP message of a dead-letter record: the delivery's
+// properties (not its expiration, nor its user id, which RabbitMQ checks
+// against the publishing connection's user), out's headers with their
+// original AMQP types where unchanged, and the provenance headers.
+func (s *source) deadLetter(out *kgo.Record) amqp.Publishing {
+	d := s.d
+	headers := amqp.Table{}
+	for _, h := range out.Headers {
+		if v, ok := d.Headers[h.Key]; ok && string(headerBytes(v)) == string(h.Value) {
+			headers[h.Key] = v
+			continue
+		}
+		headers[h.Key] = string(h.Value)
+	}
+	delete(headers, DeliveryCountHeader) // the dead-letter queue counts its own deliveries
+	headers[HeaderQueue] = s.queue
+	headers[HeaderExchange] = d.Exchange
+	headers[HeaderRoutingKey] = d.RoutingKey
+	headers[HeaderDeliveryTag] = strconv.FormatUint(d.DeliveryTag, 10)
+	headers[HeaderRedelivered] = strconv.FormatBool(d.Redelivered)
+	headers[HeaderDeliveryCount] = strconv.Itoa(s.spent)
+	return amqp.Publishing{
+		Headers: headers, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
+		DeliveryMode: amqp.Persistent, Priority: d.Priority, CorrelationId: d.CorrelationId, ReplyTo: d.ReplyTo,
+		MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type, AppId: d.AppId, Body: d.Body,
+	}
+}
