@@ -1,0 +1,882 @@
+package integration_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/pgtest"
+	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/internal/testhook"
+	"github.com/oncely/oncely/outbox"
+	"github.com/oncely/oncely/rabbitconsumer"
+)
+
+// rabbitURL is the RabbitMQ the tests use (.ci/run starts it).
+const (
+	rabbitAddr = "127.0.0.1:5672"
+	rabbitURL  = "amqp://guest:guest@" + rabbitAddr + "/"
+)
+
+// Like the NATS tests, the RabbitMQ tests do not run in parallel: they
+// finish before the parallel Kafka tests start.
+
+// rabbitEnv is one test's quorum queue, its dead-letter queue (both deleted
+// when the test ends) and its Postgres schema with an effects table.
+type rabbitEnv struct {
+	t     *testing.T
+	db    *testenv.DB
+	conn  *amqp.Connection // the test's own, for publishing and inspecting
+	queue string
+	dlq   string // rabbitconsumer.DefaultDeadLetterRoutingKey(queue)
+}
+
+func newRabbitEnv(t *testing.T) *rabbitEnv {
+	t.Helper()
+	db := testenv.Migrated(t)
+	if _, err := db.Pool.Exec(t.Context(), `CREATE TABLE effects (message_id text NOT NULL, member text NOT NULL,
+		at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
+		t.Fatal(err)
+	}
+	conn := rabbitConn(t)
+	q := testenv.UniqueName("oncely-rabbit")
+	e := &rabbitEnv{t: t, db: db, conn: conn, queue: q, dlq: rabbitconsumer.DefaultDeadLetterRoutingKey(q)}
+	for _, name := range []string{e.queue, e.dlq} {
+		e.declareQueue(name)
+	}
+	return e
+}
+
+// rabbitConn is a connection of the test's own, closed when it ends.
+func rabbitConn(t *testing.T) *amqp.Connection {
+	t.Helper()
+	conn, err := amqp.Dial(rabbitURL)
+	if err != nil {
+		t.Fatalf("connect to RabbitMQ at %s (is rabbitmq-server running?): %v", rabbitAddr, err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// channel is a new channel on the test's connection.
+func (e *rabbitEnv) channel() *amqp.Channel {
+	e.t.Helper()
+	ch, err := e.conn.Channel()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = ch.Close() })
+	return ch
+}
+
+// declareQueue declares a durable quorum queue, deleted when the test ends.
+func (e *rabbitEnv) declareQueue(name string) {
+	e.t.Helper()
+	if _, err := e.channel().QueueDeclare(name, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		e.t.Fatalf("declare queue %s: %v", name, err)
+	}
+	e.t.Cleanup(func() {
+		conn, err := amqp.Dial(rabbitURL)
+		if err != nil {
+			e.t.Errorf("delete queue %s: %v", name, err)
+			return
+		}
+		defer func() { _ = conn.Close() }()
+		ch, err := conn.Channel()
+		if err == nil {
+			_, err = ch.QueueDelete(name, false, false, false)
+		}
+		if err != nil {
+			e.t.Errorf("delete queue %s: %v", name, err)
+		}
+	})
+}
+
+// config is a consumer of the test's queue.
+func (e *rabbitEnv) config(h consumer.Handler) rabbitconsumer.Config {
+	return rabbitconsumer.Config{
+		URL: rabbitURL, Queues: []string{e.queue}, Group: "workers", Pool: e.db.Pool, Schema: e.db.Schema, Handler: h,
+		RetryBaseDelay: 10 * time.Millisecond, RetryMaxDelay: 50 * time.Millisecond,
+		ShutdownTimeout: 5 * time.Second, ReconnectMaxDelay: 200 * time.Millisecond,
+	}
+}
+
+// rabbitEffect records one effect per handler run.
+func rabbitEffect(member string) consumer.Handler {
+	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		_, err := tx.Exec(ctx, `INSERT INTO effects (message_id, member) VALUES ($1, $2)`, msg.ID, member)
+		return err
+	}
+}
+
+// rabbitRun is a running consumer.
+type rabbitRun struct {
+	c      *rabbitconsumer.Consumer
+	cancel context.CancelFunc
+	done   chan error // Run's error
+}
+
+// start runs a consumer of cfg until stop or the end of the test.
+func (e *rabbitEnv) start(ctx context.Context, cfg rabbitconsumer.Config) *rabbitRun {
+	e.t.Helper()
+	c, err := rabbitconsumer.New(cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	r := &rabbitRun{c: c, cancel: cancel, done: make(chan error, 1)}
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		r.done <- c.Run(ctx)
+	}()
+	e.t.Cleanup(func() {
+		cancel()
+		select {
+		case <-stopped:
+		case <-time.After(15 * time.Second):
+			e.t.Error("rabbitmq consumer did not stop")
+		}
+	})
+	return r
+}
+
+// stop stops the consumer and fails the test unless Run returned nil.
+func (r *rabbitRun) stop(t *testing.T) {
+	t.Helper()
+	r.cancel()
+	select {
+	case err := <-r.done:
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("rabbitmq consumer did not stop")
+	}
+}
+
+// publish publishes a persistent message to queue through the default
+// exchange and waits for its confirmation.
+func (e *rabbitEnv) publish(queue, body, messageID string, headers amqp.Table) {
+	e.t.Helper()
+	ch := e.channel()
+	if err := ch.Confirm(false); err != nil {
+		e.t.Fatal(err)
+	}
+	dc, err := ch.PublishWithDeferredConfirmWithContext(e.t.Context(), "", queue, true, false, amqp.Publishing{
+		MessageId: messageID, Headers: headers, Body: []byte(body), DeliveryMode: amqp.Persistent, ContentType: "text/plain",
+	})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	if ok, err := dc.WaitContext(e.t.Context()); !ok || err != nil {
+		e.t.Fatalf("publish not confirmed: %v", err)
+	}
+}
+
+func (e *rabbitEnv) count(sql string, args ...any) int64 {
+	e.t.Helper()
+	var n int64
+	if err := e.db.Pool.QueryRow(e.t.Context(), sql, args...).Scan(&n); err != nil {
+		e.t.Fatal(err)
+	}
+	return n
+}
+
+// effects fails the test unless the handlers' effects number want, one per
+// message id.
+func (e *rabbitEnv) effects(want int64) {
+	e.t.Helper()
+	if n, ids := e.count(`SELECT count(*) FROM effects`), e.count(`SELECT count(DISTINCT message_id) FROM effects`); n != want || ids != want {
+		e.t.Fatalf("%d effects of %d message ids, want %d of %d", n, ids, want, want)
+	}
+}
+
+// empty fails the test unless queue holds no message: with every consumer
+// stopped, an unacknowledged message would be back in it.
+func (e *rabbitEnv) empty(queue string) {
+	e.t.Helper()
+	q, err := e.channel().QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	if q.Messages != 0 {
+		e.t.Fatalf("queue %s holds %d messages, want none: a message was not acknowledged", queue, q.Messages)
+	}
+}
+
+// take waits for n messages in queue, takes them (acknowledged) and fails
+// the test if more come within a short while.
+func (e *rabbitEnv) take(queue string, n int) []amqp.Delivery {
+	e.t.Helper()
+	ch := e.channel()
+	var out []amqp.Delivery
+	deadline := time.Now().Add(30 * time.Second)
+	for len(out) < n && time.Now().Before(deadline) {
+		d, ok, err := ch.Get(queue, true)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		if !ok {
+			time.Sleep(20 * time.Millisecond) // polling the queue: basic.get has no wait
+			continue
+		}
+		out = append(out, d)
+	}
+	if len(out) != n {
+		e.t.Fatalf("%d messages in %s, want %d", len(out), queue, n)
+	}
+	return out
+}
+
+// amqpHeader returns a string header of d.
+func amqpHeader(d amqp.Delivery, key string) string {
+	v, ok := d.Headers[key]
+	if !ok {
+		return ""
+	}
+	if b, ok := v.([]byte); ok {
+		return string(b)
+	}
+	return fmt.Sprint(v)
+}
+
+// waitForBlockedClaim waits until an inbox claim waits on another
+// transaction's lock.
+func (e *rabbitEnv) waitForBlockedClaim() {
+	e.t.Helper()
+	testenv.Eventually(e.t, 30*time.Second, "an inbox claim to wait on another transaction", func() bool {
+		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1`,
+			"INSERT INTO "+pgx.Identifier{e.db.Schema, "inbox"}.Sanitize()+"%") > 0
+	})
+}
+
+// 25 deliveries of one message id (a producer's duplicates: 25 messages,
+// all with the same message_id) run at once: one effect, 24 duplicates,
+// every delivery acknowledged.
+func TestRabbitConcurrentDuplicatesOneEffect(t *testing.T) {
+	e := newRabbitEnv(t)
+	for range 25 {
+		e.publish(e.queue, "order", "order-1", nil)
+	}
+	cfg := e.config(rabbitEffect("a"))
+	cfg.Concurrency = 25
+	r := e.start(t.Context(), cfg)
+	testenv.Eventually(t, 30*time.Second, "every delivery settled", func() bool {
+		st := r.c.Stats()
+		return st.Processed+st.Duplicates == 25
+	})
+	r.stop(t)
+	e.empty(e.queue)
+	e.effects(1)
+	if st := r.c.Stats(); st.Processed != 1 || st.Duplicates != 24 {
+		t.Fatalf("processed %d, duplicates %d; want 1 and 24", st.Processed, st.Duplicates)
+	}
+}
+
+// Two consumers (two connections) run one message id at the same time (a
+// producer's duplicate, one copy each): the second's claim waits on the
+// first's transaction, and only one effect happens.
+func TestRabbitTwoConsumersRaceOneEffect(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "order", "order-1", nil)
+	e.publish(e.queue, "order", "order-1", nil)
+
+	var first atomic.Bool
+	h := func(member string) consumer.Handler {
+		return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+			if first.CompareAndSwap(false, true) {
+				e.waitForBlockedClaim() // the other consumer's claim waits on ours
+			}
+			return rabbitEffect(member)(ctx, tx, msg)
+		}
+	}
+	var rs []*rabbitRun
+	for _, member := range []string{"a", "b"} {
+		cfg := e.config(h(member))
+		cfg.Prefetch = 1 // one copy each
+		rs = append(rs, e.start(t.Context(), cfg))
+	}
+	testenv.Eventually(t, 30*time.Second, "both copies settled", func() bool {
+		a, b := rs[0].c.Stats(), rs[1].c.Stats()
+		return a.Processed+b.Processed+a.Duplicates+b.Duplicates == 2
+	})
+	for _, r := range rs {
+		r.stop(t)
+	}
+	e.empty(e.queue)
+	e.effects(1)
+	a, b := rs[0].c.Stats(), rs[1].c.Stats()
+	if a.Processed+b.Processed != 1 || a.Duplicates+b.Duplicates != 1 {
+		t.Fatalf("processed %d+%d, duplicates %d+%d; want 1 and 1", a.Processed, b.Processed, a.Duplicates, b.Duplicates)
+	}
+	if a.Processed+a.Duplicates != 1 {
+		t.Fatalf("consumer a settled %d copies, want 1: the two did not race", a.Processed+a.Duplicates)
+	}
+}
+
+// The poison kinds go to the dead-letter queue at once, each with its body,
+// its headers and its provenance, are recorded as dead-lettered, and the
+// originals are acknowledged: a handler's dlq.Permanent error, its
+// dlq.Undecodable error, and a message with no id at all (neither
+// message_id nor the message-id header), which cannot be deduplicated and
+// is never run.
+func TestRabbitPoisonToDeadLetterQueue(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "not an order", "poison-1", amqp.Table{"tenant": "acme", "priority-level": int32(7)})
+	e.publish(e.queue, "\xff\xfe", "garbled-1", nil)
+	e.publish(e.queue, "anonymous", "", nil)
+	var runs atomic.Int32
+	r := e.start(t.Context(), e.config(func(_ context.Context, _ pgx.Tx, msg *consumer.Message) error {
+		runs.Add(1)
+		if msg.ID == "garbled-1" {
+			return dlq.Undecodable(errors.New("body is not JSON"))
+		}
+		return dlq.Permanent(errors.New("order has no id"))
+	}))
+	out := e.take(e.dlq, 3)
+	testenv.Eventually(t, 30*time.Second, "every message settled", func() bool { return r.c.Stats().DeadLettered == 3 })
+	r.stop(t)
+	e.empty(e.queue)
+	byBody := map[string]amqp.Delivery{}
+	for _, d := range out {
+		byBody[string(d.Body)] = d
+	}
+	poison := byBody["not an order"]
+	for k, v := range map[string]string{
+		rabbitconsumer.HeaderQueue: e.queue, rabbitconsumer.HeaderExchange: "", rabbitconsumer.HeaderRoutingKey: e.queue,
+		rabbitconsumer.HeaderRedelivered: "false", rabbitconsumer.HeaderDeliveryCount: "0",
+		dlq.HeaderErrorClass: string(dlq.ClassPermanent), dlq.HeaderMessageID: "poison-1", dlq.HeaderAttempts: "1",
+		dlq.HeaderGroup: "workers", dlq.HeaderTopic: e.queue, "tenant": "acme",
+	} {
+		if got := amqpHeader(poison, k); got != v {
+			t.Errorf("dead letter header %s = %q, want %q", k, got, v)
+		}
+	}
+	if _, err := strconv.ParseUint(amqpHeader(poison, rabbitconsumer.HeaderDeliveryTag), 10, 64); err != nil {
+		t.Errorf("dead letter delivery tag %q: %v", amqpHeader(poison, rabbitconsumer.HeaderDeliveryTag), err)
+	}
+	if got, ok := poison.Headers["priority-level"].(int32); !ok || got != 7 {
+		t.Errorf("dead letter header priority-level = %#v, want int32 7 (its AMQP type kept)", poison.Headers["priority-level"])
+	}
+	if got := amqpHeader(poison, dlq.HeaderError); !strings.Contains(got, "order has no id") {
+		t.Errorf("dead letter error header %q", got)
+	}
+	if poison.MessageId != "poison-1" || poison.ContentType != "text/plain" || poison.DeliveryMode != amqp.Persistent {
+		t.Errorf("dead letter properties: message id %q, content type %q, delivery mode %d", poison.MessageId, poison.ContentType, poison.DeliveryMode)
+	}
+	if got := amqpHeader(byBody["\xff\xfe"], dlq.HeaderErrorClass); got != string(dlq.ClassUndecodable) {
+		t.Errorf("undecodable message's class %q", got)
+	}
+	anon := byBody["anonymous"]
+	if got := amqpHeader(anon, dlq.HeaderErrorClass); got != string(dlq.ClassUndecodable) ||
+		!strings.Contains(amqpHeader(anon, dlq.HeaderError), "no message_id") {
+		t.Errorf("message without an id: class %q, error %q; want undecodable, naming the missing id", got, amqpHeader(anon, dlq.HeaderError))
+	}
+	if runs.Load() != 2 {
+		t.Errorf("handler ran %d times, want 2 (never for the message without an id)", runs.Load())
+	}
+	if n := e.count(`SELECT count(*) FROM inbox WHERE message_id IN ('poison-1', 'garbled-1') AND outcome = 'dead_lettered'`); n != 2 {
+		t.Errorf("inbox holds %d of the 2 dead letters with ids", n)
+	}
+}
+
+// A handler that keeps failing runs again after a backoff, each attempt
+// counted, and the MaxAttempts-th failure dead-letters the message (class
+// max_attempts).
+func TestRabbitRetriesThenDeadLetter(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "order", "flaky-1", nil)
+	var mu sync.Mutex
+	var attempts []int
+	cfg := e.config(func(_ context.Context, _ pgx.Tx, msg *consumer.Message) error {
+		mu.Lock()
+		attempts = append(attempts, msg.Attempt)
+		mu.Unlock()
+		return errors.New("payment service unavailable")
+	})
+	cfg.MaxAttempts = 3
+	r := e.start(t.Context(), cfg)
+	out := e.take(e.dlq, 1)[0]
+	testenv.Eventually(t, 30*time.Second, "the message settled", func() bool { return r.c.Stats().DeadLettered == 1 })
+	r.stop(t)
+	e.empty(e.queue)
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(attempts, []int{1, 2, 3}) {
+		t.Fatalf("handler attempts %v, want [1 2 3]", attempts)
+	}
+	for k, v := range map[string]string{dlq.HeaderErrorClass: string(dlq.ClassMaxAttempts), dlq.HeaderAttempts: "3"} {
+		if got := amqpHeader(out, k); got != v {
+			t.Errorf("dead letter header %s = %q, want %q", k, got, v)
+		}
+	}
+	if st := r.c.Stats(); st.Retries != 2 || st.DeadLettered != 1 {
+		t.Errorf("retries %d, dead-lettered %d; want 2 and 1", st.Retries, st.DeadLettered)
+	}
+}
+
+// A message waiting for its retry does not hold up the queue: with one
+// place to run (Concurrency 1), a message that fails until every other
+// message's effect has committed succeeds, after them. Were the waiting
+// message to keep its place, the others could not run, and it would fail
+// all its MaxAttempts and be dead-lettered.
+func TestRabbitRetryDoesNotBlockQueue(t *testing.T) {
+	e := newRabbitEnv(t)
+	const others = 10
+	e.publish(e.queue, "slow", "slow-1", nil)
+	for i := range others {
+		e.publish(e.queue, "order", "order-"+strconv.Itoa(i), nil)
+	}
+	var failures atomic.Int32
+	cfg := e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if msg.ID == "slow-1" {
+			var done int
+			if err := tx.QueryRow(ctx, `SELECT count(*) FROM effects`).Scan(&done); err != nil {
+				return err
+			}
+			if done < others {
+				failures.Add(1)
+				return fmt.Errorf("only %d of the others done", done)
+			}
+		}
+		return rabbitEffect("a")(ctx, tx, msg)
+	})
+	cfg.Concurrency, cfg.Prefetch, cfg.MaxAttempts = 1, 4, 200
+	cfg.RetryBaseDelay, cfg.RetryMaxDelay = 20*time.Millisecond, 20*time.Millisecond
+	r := e.start(t.Context(), cfg)
+	testenv.Eventually(t, 30*time.Second, "every message settled", func() bool {
+		st := r.c.Stats()
+		return st.Processed+st.DeadLettered == others+1
+	})
+	r.stop(t)
+	e.empty(e.queue)
+	if st := r.c.Stats(); st.DeadLettered != 0 {
+		t.Fatalf("%d dead-lettered: the failing message held up the others", st.DeadLettered)
+	}
+	e.effects(others + 1)
+	if failures.Load() == 0 {
+		t.Fatal("the slow message never waited for a retry")
+	}
+	if n := e.count(`SELECT count(*) FROM effects WHERE at > (SELECT at FROM effects WHERE message_id = 'slow-1')`); n != 0 {
+		t.Fatalf("%d effects after the slow message's", n)
+	}
+}
+
+// The producer's trace context travels in AMQP headers: the attempt's
+// "process <queue>" span continues it, with messaging.system=rabbitmq and
+// the messaging attributes.
+func TestRabbitTraceContext(t *testing.T) {
+	e := newRabbitEnv(t)
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+
+	pctx, producer := tp.Tracer("producer").Start(t.Context(), "send orders")
+	carrier := propagation.MapCarrier{}
+	propagation.TraceContext{}.Inject(pctx, carrier)
+	producer.End()
+	e.publish(e.queue, "order", "traced-1", amqp.Table{"traceparent": carrier["traceparent"]})
+
+	cfg := e.config(rabbitEffect("a"))
+	cfg.TracerProvider = tp
+	r := e.start(t.Context(), cfg)
+	var span sdktrace.ReadOnlySpan
+	testenv.Eventually(t, 30*time.Second, "the process span", func() bool {
+		for _, s := range rec.Ended() {
+			if s.Name() == "process "+e.queue {
+				span = s
+				return true
+			}
+		}
+		return false
+	})
+	r.stop(t)
+	if span.Parent().TraceID() != producer.SpanContext().TraceID() || span.Parent().SpanID() != producer.SpanContext().SpanID() {
+		t.Errorf("process span's parent %v, want the producer's span %v", span.Parent(), producer.SpanContext())
+	}
+	got := map[attribute.Key]string{}
+	for _, a := range span.Attributes() {
+		got[a.Key] = a.Value.Emit()
+	}
+	for k, v := range map[attribute.Key]string{
+		"messaging.system": "rabbitmq", "messaging.destination.name": e.queue, "messaging.consumer.group.name": "workers",
+		"messaging.message.id": "traced-1", "messaging.operation.type": "process", "oncely.dedup.outcome": "new",
+		"messaging.rabbitmq.destination.routing_key": e.queue,
+	} {
+		if got[k] != v {
+			t.Errorf("span attribute %s = %q, want %q", k, got[k], v)
+		}
+	}
+	if _, ok := got["messaging.rabbitmq.message.delivery_tag"]; !ok {
+		t.Error("the span has no messaging.rabbitmq.message.delivery_tag")
+	}
+	if _, kafka := got["messaging.kafka.offset"]; kafka {
+		t.Error("a RabbitMQ span carries messaging.kafka.offset")
+	}
+}
+
+// Run fails at start-up, naming what is missing: a queue, the dead-letter
+// queue, the dead-letter exchange, the migrated schema. A dead letter that
+// could never be published would make its message wait for ever.
+func TestRabbitStartupChecks(t *testing.T) {
+	e := newRabbitEnv(t)
+	other := newRabbitEnv(t)
+	for what, cfg := range map[string]rabbitconsumer.Config{
+		"no-such-queue": func() rabbitconsumer.Config {
+			cfg := e.config(rabbitEffect("a"))
+			cfg.Queues = []string{e.queue, "no-such-queue"}
+			return cfg
+		}(),
+		"DeadLetterRoutingKey": func() rabbitconsumer.Config {
+			cfg := e.config(rabbitEffect("a"))
+			cfg.DeadLetterRoutingKey = func(q string) string { return q + ".nowhere" }
+			return cfg
+		}(),
+		"DeadLetterExchange": func() rabbitconsumer.Config {
+			cfg := e.config(rabbitEffect("a"))
+			cfg.DeadLetterExchange = "no-such-exchange"
+			return cfg
+		}(),
+		"inbox": func() rabbitconsumer.Config {
+			cfg := other.config(rabbitEffect("a"))
+			cfg.Schema = testenv.Postgres(t).Schema // not migrated
+			return cfg
+		}(),
+	} {
+		c, err := rabbitconsumer.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		err = c.Run(ctx)
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), what) {
+			t.Errorf("Run: %v, want an error naming %s", err, what)
+		}
+	}
+}
+
+// The connection is cut (a TCP proxy between consumer and RabbitMQ drops
+// it) while messages are in flight: the consumer reports itself not ready,
+// reconnects once the network is back, and every message's effect happens
+// exactly once, those unacknowledged at the cut being delivered again.
+func TestRabbitConnectionCutMidStream(t *testing.T) {
+	e := newRabbitEnv(t)
+	const n = 300
+	for i := range n {
+		e.publish(e.queue, "order", "order-"+strconv.Itoa(i), nil)
+	}
+	proxy := pgtest.NewTCPProxy(t, rabbitAddr)
+	cfg := e.config(rabbitEffect("a"))
+	cfg.URL = "amqp://guest:guest@" + proxy.Addr + "/"
+	cfg.Concurrency, cfg.Prefetch = 4, 32
+	r := e.start(t.Context(), cfg)
+	testenv.Eventually(t, 30*time.Second, "a third of the messages processed", func() bool { return r.c.Stats().Processed >= n/3 })
+	proxy.Cut()
+	testenv.Eventually(t, 30*time.Second, "the consumer to report the lost connection", func() bool {
+		return strings.Contains(r.c.NotReady(), "RabbitMQ")
+	})
+	cut := r.c.Stats().Processed
+	proxy.Restore()
+	testenv.Eventually(t, 60*time.Second, "every message processed", func() bool { return r.c.Stats().Processed == n })
+	testenv.Eventually(t, 10*time.Second, "the consumer ready again", r.c.Ready)
+	r.stop(t)
+	e.empty(e.queue)
+	e.effects(n)
+	if cut >= n {
+		t.Fatalf("all %d messages were processed before the cut took effect", n)
+	}
+	if got := r.c.Connections(); got < 2 {
+		t.Fatalf("%d connections, want a reconnection", got)
+	}
+	t.Logf("processed before the cut: %d, duplicates (redelivered after committing): %d", cut, r.c.Stats().Duplicates)
+}
+
+// The outbox relay publishes to RabbitMQ with message_id set to each row's
+// message id, one row after another with publisher confirms. A relay that
+// dies after the confirmations and before marking the rows sent is followed
+// by one that publishes them again (RabbitMQ keeps both copies); per key the
+// queue holds the rows in enqueue order, and a Consumer applies each id
+// once. A row that no queue takes is an error, not a silent drop.
+func TestRabbitRelayPublishesWithMessageIDs(t *testing.T) {
+	e := newRabbitEnv(t)
+	ctx := t.Context()
+	ob, err := outbox.New(outbox.Config{Schema: e.db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 20
+	var ids []string
+	tx, err := e.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		out, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: e.queue, Key: []byte("k" + strconv.Itoa(i%2)), Value: []byte(strconv.Itoa(i))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, out[0].MessageID)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pub := &rabbitconsumer.Publisher{URL: rabbitURL}
+	t.Cleanup(func() { _ = pub.Close() })
+	relay := func(ctx context.Context) (*outbox.Relay, <-chan error) {
+		r, err := outbox.NewRelay(outbox.RelayConfig{Outbox: outbox.Config{Schema: e.db.Schema}, Pool: e.db.Pool,
+			Publisher: pub, PollInterval: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- r.Run(ctx) }()
+		return r, done
+	}
+	var published atomic.Int64
+	_, done := relay(testhook.WithRelay(ctx, &testhook.Relay{AfterProduce: func(k int) error {
+		published.Add(int64(k))
+		return testhook.ErrCrash
+	}}))
+	if err := <-done; !errors.Is(err, testhook.ErrCrash) || published.Load() == 0 {
+		t.Fatalf("first relay: %v after %d published, want the simulated crash after a batch", err, published.Load())
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	second, done := relay(rctx)
+	testenv.Eventually(t, 30*time.Second, "the second relay to publish every row", func() bool {
+		return second.Stats().Published == n
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+
+	// The queue holds the first relay's batch, then every row: per key,
+	// ids in enqueue order after the republished ones.
+	msgs := e.take(e.queue, int(published.Load())+n)
+	byKey := map[string][]string{}
+	for _, m := range msgs {
+		if got := amqpHeader(m, outbox.MessageIDHeader); got != m.MessageId || m.DeliveryMode != amqp.Persistent {
+			t.Errorf("message_id %q, message-id header %q, delivery mode %d", m.MessageId, got, m.DeliveryMode)
+		}
+		key := amqpHeader(m, rabbitconsumer.HeaderKey)
+		byKey[key] = append(byKey[key], m.MessageId)
+	}
+	for k := range 2 {
+		key := "k" + strconv.Itoa(k)
+		var want []string
+		for i := k; i < n; i += 2 {
+			want = append(want, ids[i])
+		}
+		got := byKey[key]
+		if len(got) < len(want) || !slices.Equal(got[len(got)-len(want):], want) || !slices.Equal(got[:len(got)-len(want)], want[:len(got)-len(want)]) {
+			t.Errorf("key %s: ids %v, want the republished prefix of %v, then all of it in enqueue order", key, got, want)
+		}
+	}
+	// The copies, back in the queue, are applied once each.
+	for _, m := range msgs {
+		e.publish(e.queue, string(m.Body), m.MessageId, m.Headers)
+	}
+	r := e.start(ctx, e.config(rabbitEffect("a")))
+	testenv.Eventually(t, 30*time.Second, "every copy settled", func() bool {
+		st := r.c.Stats()
+		return st.Processed+st.Duplicates == int64(len(msgs))
+	})
+	r.stop(t)
+	e.effects(n)
+
+	unroutable := pub.Publish(ctx, []*kgo.Record{{Topic: testenv.UniqueName("no-queue"), Value: []byte("x")}})
+	if !errors.Is(unroutable[0], rabbitconsumer.ErrUnroutable) || pub.Permanent(unroutable[0]) {
+		t.Errorf("publish to a routing key no queue takes: %v, want a retried ErrUnroutable", unroutable[0])
+	}
+}
+
+// The crash tests run the consumer in a child process (this test binary,
+// run again with rabbitChildEnv set) that dies with os.Exit at a crash
+// point: a real process death, whose connection RabbitMQ sees end.
+const (
+	rabbitChildEnv = "ONCELY_RABBIT_CHILD" // database url|schema|queue|max attempts|crash point
+	rabbitExitCode = 3
+)
+
+// The child's crash points.
+const (
+	rabbitDieAfterCommit     = "after-commit"      // AfterCommit: committed, not acknowledged
+	rabbitDieAfterDeadLetter = "after-dead-letter" // AfterDeadLetter: the handler's error is permanent
+	rabbitDieInHandler       = "in-handler"        // the handler exits: nothing finishes
+)
+
+// TestRabbitChildWorker is the child process's body; it is skipped in an
+// ordinary run.
+func TestRabbitChildWorker(t *testing.T) {
+	spec := os.Getenv(rabbitChildEnv)
+	if spec == "" {
+		t.Skip("runs only as the child process of the RabbitMQ crash tests")
+	}
+	f := strings.Split(spec, "|")
+	if len(f) != 5 {
+		t.Fatalf("%s=%q: want 5 fields", rabbitChildEnv, spec)
+	}
+	maxAttempts, err := strconv.Atoi(f[3])
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	pool, err := testenv.NewPool(ctx, f[0], f[1], 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	die := func(*kgo.Record) error { os.Exit(rabbitExitCode); return nil }
+	hooks := &testhook.Consumer{}
+	handler := rabbitEffect("child")
+	switch f[4] {
+	case rabbitDieAfterCommit:
+		hooks.AfterCommit = die
+	case rabbitDieAfterDeadLetter:
+		hooks.AfterDeadLetter = die
+		handler = func(context.Context, pgx.Tx, *consumer.Message) error { return dlq.Permanent(errors.New("refused")) }
+	case rabbitDieInHandler:
+		handler = func(context.Context, pgx.Tx, *consumer.Message) error { os.Exit(rabbitExitCode); return nil }
+	}
+	c, err := rabbitconsumer.New(rabbitconsumer.Config{URL: rabbitURL, Queues: []string{f[2]}, Group: "workers",
+		Pool: pool, Schema: f[1], Handler: handler, MaxAttempts: maxAttempts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Run(testhook.WithConsumer(ctx, hooks)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// crashChild runs the child worker until it dies at its crash point, and
+// fails the test unless it did.
+func (e *rabbitEnv) crashChild(maxAttempts int, point string) {
+	e.t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestRabbitChildWorker$", "-test.count=1")
+	cmd.Env = append(os.Environ(), rabbitChildEnv+"="+strings.Join([]string{
+		e.db.URL, e.db.Schema, e.queue, strconv.Itoa(maxAttempts), point}, "|"))
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		e.t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err := <-exited:
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != rabbitExitCode {
+			e.t.Fatalf("child worker (%s) ended with %v, want exit code %d:\n%s", point, err, rabbitExitCode, out.String())
+		}
+	case <-time.After(60 * time.Second):
+		_ = cmd.Process.Kill()
+		<-exited
+		e.t.Fatalf("child worker (%s) did not die:\n%s", point, out.String())
+	}
+}
+
+// The process dies between COMMIT and the acknowledgement: RabbitMQ
+// delivers the message again to the next process, which finds the id in
+// the inbox and runs no second effect.
+func TestRabbitCrashBetweenCommitAndAck(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "order", "order-1", nil)
+	e.crashChild(consumer.DefaultMaxAttempts, rabbitDieAfterCommit)
+	if n := e.count(`SELECT count(*) FROM effects WHERE member = 'child'`); n != 1 {
+		t.Fatalf("the crashed process's effect is missing (%d)", n)
+	}
+	r := e.start(t.Context(), e.config(rabbitEffect("second")))
+	testenv.Eventually(t, 30*time.Second, "the redelivery settled", func() bool { return r.c.Stats().Duplicates == 1 })
+	r.stop(t)
+	e.empty(e.queue)
+	e.effects(1)
+	if st := r.c.Stats(); st.Processed != 0 {
+		t.Fatalf("second process processed %d, want 0", st.Processed)
+	}
+}
+
+// The process dies after the dead-letter copy was confirmed and recorded,
+// before the acknowledgement: the next process acknowledges the redelivery
+// as dead-lettered already, without a second copy.
+func TestRabbitCrashAfterDeadLetterBeforeAck(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "poison", "poison-1", nil)
+	e.crashChild(consumer.DefaultMaxAttempts, rabbitDieAfterDeadLetter)
+	var runs atomic.Int32
+	r := e.start(t.Context(), e.config(func(context.Context, pgx.Tx, *consumer.Message) error {
+		runs.Add(1)
+		return dlq.Permanent(errors.New("refused"))
+	}))
+	testenv.Eventually(t, 30*time.Second, "the redelivery settled", func() bool { return r.c.Stats().Duplicates == 1 })
+	r.stop(t)
+	e.empty(e.queue)
+	e.take(e.dlq, 1)
+	e.empty(e.dlq)
+	if runs.Load() != 0 {
+		t.Errorf("the handler ran %d times on the redelivery, want 0", runs.Load())
+	}
+}
+
+// A message that kills every process that runs it is delivered again with
+// a higher x-delivery-count (a quorum queue counts the deliveries that
+// ended with their connection); the delivery after MaxAttempts of them
+// dead-letters it as a crash loop without running the handler again.
+func TestRabbitCrashLoopAcrossRestarts(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "order", "killer-1", nil)
+	const maxAttempts = 2
+	for range maxAttempts {
+		e.crashChild(maxAttempts, rabbitDieInHandler)
+	}
+	var runs atomic.Int32
+	cfg := e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		runs.Add(1)
+		return rabbitEffect("last")(ctx, tx, msg)
+	})
+	cfg.MaxAttempts = maxAttempts
+	r := e.start(t.Context(), cfg)
+	out := e.take(e.dlq, 1)[0]
+	testenv.Eventually(t, 30*time.Second, "the message settled", func() bool { return r.c.Stats().DeadLettered == 1 })
+	r.stop(t)
+	e.empty(e.queue)
+	if got := amqpHeader(out, dlq.HeaderErrorClass); got != string(dlq.ClassCrashLoop) {
+		t.Errorf("class %q, want crash_loop", got)
+	}
+	if got := amqpHeader(out, rabbitconsumer.HeaderDeliveryCount); got != strconv.Itoa(maxAttempts) {
+		t.Errorf("delivery count %q, want %d", got, maxAttempts)
+	}
+	if got := amqpHeader(out, rabbitconsumer.HeaderRedelivered); got != "true" {
+		t.Errorf("redelivered %q, want true", got)
+	}
+	if runs.Load() != 0 || e.count(`SELECT count(*) FROM effects`) != 0 {
+		t.Errorf("handler runs %d, effects %d; want 0 and 0", runs.Load(), e.count(`SELECT count(*) FROM effects`))
+	}
+	if st := r.c.Stats(); st.CrashLoops != 1 {
+		t.Errorf("crash loops %d, want 1", st.CrashLoops)
+	}
+}
