@@ -992,8 +992,8 @@ func (w *worker) retry(rec *kgo.Record, prior *result) bool {
 // differs between brokers: how a failed record comes back, how a finished
 // one is acknowledged, how a dead-letter copy is written, and what the
 // broker counts of a record's deliveries. The Kafka partition worker is one
-// (kafkaSource, below); package natsconsumer's JetStream message is
-// another. Everything else (the transaction, the inbox claim, the handler,
+// (kafkaSource, below); package natsconsumer's JetStream message and
+// package rabbitconsumer's AMQP delivery are others. Everything else (the transaction, the inbox claim, the handler,
 // the classification of a failure, the backoff, the decision to
 // dead-letter, the spans and metrics) is the record path's own: deliver.
 type Source interface {
@@ -1113,7 +1113,7 @@ func (c *Consumer) deliver(ctx context.Context, rec *kgo.Record, src Source, pri
 }
 
 // NewRecordPath returns a Consumer that joins no Kafka group: only the
-// record path, for a broker adapter (package natsconsumer) that fetches
+// record path, for a broker adapter (natsconsumer, rabbitconsumer) that fetches
 // messages itself and hands each to Deliver with its Source. system is the
 // broker's messaging.system ("nats"). A message is given as a *kgo.Record:
 // Topic the name it was published to, Offset its sequence in the broker,

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -400,6 +401,81 @@ func TestRabbitPoisonToDeadLetterQueue(t *testing.T) {
 	}
 	if n := e.count(`SELECT count(*) FROM inbox WHERE message_id IN ('poison-1', 'garbled-1') AND outcome = 'dead_lettered'`); n != 2 {
 		t.Errorf("inbox holds %d of the 2 dead letters with ids", n)
+	}
+}
+
+// A dead letter that no queue takes (the dead-letter exchange has no
+// binding for it) is returned by RabbitMQ: the message waits,
+// unacknowledged and not recorded as dead-lettered, and its publish is
+// retried; once a queue is bound, the copy arrives and the original is
+// acknowledged.
+func TestRabbitUnroutableDeadLetterWaits(t *testing.T) {
+	e := newRabbitEnv(t)
+	dlx := testenv.UniqueName("oncely-dlx")
+	ch := e.channel()
+	if err := ch.ExchangeDeclare(dlx, "direct", true, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ch.ExchangeDelete(dlx, false, false) })
+	e.publish(e.queue, "poison", "poison-1", nil)
+	logs := &logRecords{}
+	cfg := e.config(func(context.Context, pgx.Tx, *consumer.Message) error { return dlq.Permanent(errors.New("refused")) })
+	cfg.DeadLetterExchange, cfg.Logger = dlx, slog.New(logs)
+	r := e.start(t.Context(), cfg)
+	testenv.Eventually(t, 30*time.Second, "the dead-letter publish to fail", func() bool {
+		count, _ := logs.warnings()
+		return count["oncely rabbitmq dead-letter publish failed; the message waits"] > 0
+	})
+	if st := r.c.Stats(); st.DeadLettered != 0 {
+		t.Fatalf("dead-lettered %d before any queue took the copy", st.DeadLettered)
+	}
+	if n := e.count(`SELECT count(*) FROM inbox WHERE outcome = 'dead_lettered'`); n != 0 {
+		t.Fatalf("the inbox records a dead letter that was never stored (%d)", n)
+	}
+	if err := ch.QueueBind(e.dlq, e.dlq, dlx, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	out := e.take(e.dlq, 1)[0]
+	testenv.Eventually(t, 30*time.Second, "the message settled", func() bool { return r.c.Stats().DeadLettered == 1 })
+	r.stop(t)
+	e.empty(e.queue)
+	if got := amqpHeader(out, rabbitconsumer.HeaderQueue); got != e.queue {
+		t.Errorf("dead letter's queue header %q, want %q", got, e.queue)
+	}
+}
+
+// One consumer takes several queues: each message's effect happens once,
+// and each queue's dead letters go to its own dead-letter queue.
+func TestRabbitSeveralQueues(t *testing.T) {
+	e := newRabbitEnv(t)
+	second := testenv.UniqueName("oncely-rabbit")
+	e.declareQueue(second)
+	e.declareQueue(rabbitconsumer.DefaultDeadLetterRoutingKey(second))
+	for i := range 5 {
+		e.publish(e.queue, "order", "first-"+strconv.Itoa(i), nil)
+		e.publish(second, "order", "second-"+strconv.Itoa(i), nil)
+	}
+	e.publish(second, "poison", "poison-1", nil)
+	cfg := e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if msg.ID == "poison-1" {
+			return dlq.Permanent(errors.New("refused"))
+		}
+		return rabbitEffect("a")(ctx, tx, msg)
+	})
+	cfg.Queues = []string{e.queue, second}
+	r := e.start(t.Context(), cfg)
+	out := e.take(rabbitconsumer.DefaultDeadLetterRoutingKey(second), 1)[0]
+	testenv.Eventually(t, 30*time.Second, "every message settled", func() bool {
+		st := r.c.Stats()
+		return st.Processed == 10 && st.DeadLettered == 1
+	})
+	r.stop(t)
+	e.empty(e.queue)
+	e.empty(second)
+	e.empty(e.dlq)
+	e.effects(10)
+	if got := amqpHeader(out, rabbitconsumer.HeaderQueue); got != second || out.MessageId != "poison-1" {
+		t.Errorf("dead letter %q from queue %q, want poison-1 from %q", out.MessageId, got, second)
 	}
 }
 
