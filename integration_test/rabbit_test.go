@@ -896,6 +896,31 @@ func TestRabbitCrashBetweenCommitAndAck(t *testing.T) {
 	}
 }
 
+// The process dies in the middle of a handler, its transaction open: the
+// transaction rolls back with the process, RabbitMQ delivers the message
+// again, and the next process applies it once, as its second attempt (the
+// quorum queue's x-delivery-count counts the first).
+func TestRabbitCrashMidHandler(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "order", "order-1", nil)
+	e.crashChild(consumer.DefaultMaxAttempts, rabbitDieInHandler)
+	var attempt atomic.Int64
+	r := e.start(t.Context(), e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		attempt.Store(int64(msg.Attempt))
+		return rabbitEffect("second")(ctx, tx, msg)
+	}))
+	testenv.Eventually(t, 30*time.Second, "the redelivery processed", func() bool { return r.c.Stats().Processed == 1 })
+	r.stop(t)
+	e.empty(e.queue)
+	e.effects(1)
+	if n := e.count(`SELECT count(*) FROM effects WHERE member = 'second'`); n != 1 {
+		t.Fatalf("the second process applied the message %d times, want once", n)
+	}
+	if got := attempt.Load(); got != 2 {
+		t.Fatalf("the redelivery ran as attempt %d, want 2", got)
+	}
+}
+
 // The process dies after the dead-letter copy was confirmed and recorded,
 // before the acknowledgement: the next process acknowledges the redelivery
 // as dead-lettered already, without a second copy.
