@@ -512,53 +512,8 @@ func TestNATSStartupChecks(t *testing.T) {
 func TestNATSRelayPublishesWithMessageIDs(t *testing.T) {
 	e := newNATSEnv(t)
 	ctx := t.Context()
-	ob, err := outbox.New(outbox.Config{Schema: e.db.Schema})
-	if err != nil {
-		t.Fatal(err)
-	}
 	const n = 20
-	var ids []string
-	tx, err := e.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range n {
-		out, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: e.subject, Key: []byte("k" + strconv.Itoa(i%2)), Value: []byte(strconv.Itoa(i))})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, out[0].MessageID)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	relay := func(ctx context.Context) (*outbox.Relay, <-chan error) {
-		r, err := outbox.NewRelay(outbox.RelayConfig{Outbox: outbox.Config{Schema: e.db.Schema}, Pool: e.db.Pool,
-			Publisher: natsconsumer.JetStreamPublisher{JetStream: e.js}, PollInterval: 50 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() { done <- r.Run(ctx) }()
-		return r, done
-	}
-	var published atomic.Int64
-	_, done := relay(testhook.WithRelay(ctx, &testhook.Relay{AfterProduce: func(k int) error {
-		published.Add(int64(k))
-		return testhook.ErrCrash
-	}}))
-	if err := <-done; !errors.Is(err, testhook.ErrCrash) || published.Load() == 0 {
-		t.Fatalf("first relay: %v after %d published, want the simulated crash after a batch", err, published.Load())
-	}
-	rctx, cancel := context.WithCancel(ctx)
-	second, done := relay(rctx)
-	testenv.Eventually(t, 30*time.Second, "the second relay to publish every row", func() bool {
-		return second.Stats().Published == n
-	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	ids, _ := relayRepublishes(t, e.db, natsconsumer.JetStreamPublisher{JetStream: e.js}, e.subject, n)
 
 	stream, err := e.js.Stream(ctx, e.stream)
 	if err != nil {
@@ -741,4 +696,60 @@ func TestNATSCLIDeadLetters(t *testing.T) {
 	}
 	e.settled()
 	e.effects(1)
+}
+
+// relayRepublishes enqueues n rows to topic (keys k0 and k1 in turn) and
+// relays them with pub: a first relay dies after its first batch's
+// confirmation, before marking it sent; a second publishes every row. It
+// returns the rows' message ids in enqueue order and how many rows the
+// first relay published (published again by the second).
+func relayRepublishes(t *testing.T, db *testenv.DB, pub outbox.Publisher, topic string, n int) (ids []string, republished int64) {
+	t.Helper()
+	ctx := t.Context()
+	ob, err := outbox.New(outbox.Config{Schema: db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		out, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: topic, Key: []byte("k" + strconv.Itoa(i%2)), Value: []byte(strconv.Itoa(i))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, out[0].MessageID)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	relay := func(ctx context.Context) (*outbox.Relay, <-chan error) {
+		r, err := outbox.NewRelay(outbox.RelayConfig{Outbox: outbox.Config{Schema: db.Schema}, Pool: db.Pool,
+			Publisher: pub, PollInterval: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- r.Run(ctx) }()
+		return r, done
+	}
+	var published atomic.Int64
+	_, done := relay(testhook.WithRelay(ctx, &testhook.Relay{AfterProduce: func(k int) error {
+		published.Add(int64(k))
+		return testhook.ErrCrash
+	}}))
+	if err := <-done; !errors.Is(err, testhook.ErrCrash) || published.Load() == 0 {
+		t.Fatalf("first relay: %v after %d published, want the simulated crash after a batch", err, published.Load())
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	second, done := relay(rctx)
+	testenv.Eventually(t, 30*time.Second, "the second relay to publish every row", func() bool {
+		return second.Stats().Published == int64(n)
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	return ids, published.Load()
 }

@@ -700,59 +700,14 @@ func TestRabbitConnectionCutMidStream(t *testing.T) {
 func TestRabbitRelayPublishesWithMessageIDs(t *testing.T) {
 	e := newRabbitEnv(t)
 	ctx := t.Context()
-	ob, err := outbox.New(outbox.Config{Schema: e.db.Schema})
-	if err != nil {
-		t.Fatal(err)
-	}
 	const n = 20
-	var ids []string
-	tx, err := e.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range n {
-		out, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: e.queue, Key: []byte("k" + strconv.Itoa(i%2)), Value: []byte(strconv.Itoa(i))})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, out[0].MessageID)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
 	pub := &rabbitconsumer.Publisher{URL: rabbitURL}
 	t.Cleanup(func() { _ = pub.Close() })
-	relay := func(ctx context.Context) (*outbox.Relay, <-chan error) {
-		r, err := outbox.NewRelay(outbox.RelayConfig{Outbox: outbox.Config{Schema: e.db.Schema}, Pool: e.db.Pool,
-			Publisher: pub, PollInterval: 50 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() { done <- r.Run(ctx) }()
-		return r, done
-	}
-	var published atomic.Int64
-	_, done := relay(testhook.WithRelay(ctx, &testhook.Relay{AfterProduce: func(k int) error {
-		published.Add(int64(k))
-		return testhook.ErrCrash
-	}}))
-	if err := <-done; !errors.Is(err, testhook.ErrCrash) || published.Load() == 0 {
-		t.Fatalf("first relay: %v after %d published, want the simulated crash after a batch", err, published.Load())
-	}
-	rctx, cancel := context.WithCancel(ctx)
-	second, done := relay(rctx)
-	testenv.Eventually(t, 30*time.Second, "the second relay to publish every row", func() bool {
-		return second.Stats().Published == n
-	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	ids, republished := relayRepublishes(t, e.db, pub, e.queue, n)
 
 	// The queue holds the first relay's batch, then every row: per key,
 	// ids in enqueue order after the republished ones.
-	msgs := e.take(e.queue, int(published.Load())+n)
+	msgs := e.take(e.queue, int(republished)+n)
 	byKey := map[string][]string{}
 	for _, m := range msgs {
 		if got := amqpHeader(m, outbox.MessageIDHeader); got != m.MessageId || m.DeliveryMode != amqp.Persistent {

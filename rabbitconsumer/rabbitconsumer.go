@@ -23,6 +23,7 @@ import (
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/brokersource"
 	"github.com/oncely/oncely/internal/ratelog"
 	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/internal/testhook"
@@ -338,18 +339,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 		r.pause(runCtx, delay)
 	}
 	c.disconnected("stopped")
-	done := make(chan struct{})
-	go func() { r.wg.Wait(); close(done) }()
-	t := time.NewTimer(c.cfg.ShutdownTimeout)
-	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-		cancelWork() // abandoned: their transactions roll back, RabbitMQ delivers them again
-		<-done
-	}
-	r.closeConn()
-	if err := context.Cause(runCtx); err != nil && !errors.Is(err, context.Cause(ctx)) {
+	brokersource.Drain(&r.wg, c.cfg.ShutdownTimeout, cancelWork)
+	r.closeConn() // what is still unacknowledged goes back to its queue
+	if err := brokersource.StopError(ctx, runCtx); err != nil {
 		c.cfg.Logger.Error("oncely rabbitmq consumer stopped", "err", err)
 		return err
 	}
@@ -737,25 +729,10 @@ func (s *source) Settle(_ context.Context, rec *kgo.Record, deadLettered bool) b
 func (s *source) PublishDeadLetter(ctx context.Context, rec *kgo.Record, info *dlq.Info) bool {
 	c := s.s.r.c
 	exchange, key := c.cfg.DeadLetterExchange, c.cfg.DeadLetterRoutingKey(s.queue)
-	for n := 1; ; n++ {
-		msg := s.deadLetter(c.path.DeadLetterRecord(ctx, rec, info))
-		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		err := s.s.pub.publish(pctx, exchange, key, msg)
-		cancel()
-		if err == nil {
-			return true
-		}
-		if ctx.Err() != nil {
-			telemetry.Fail(trace.SpanFromContext(ctx), err, "publish")
-			return false
-		}
-		delay := c.backoff.Delay(n)
-		c.outage.Warn(ctx, "oncely rabbitmq dead-letter publish failed; the message waits", "queue", s.queue,
-			"exchange", exchange, "routing_key", key, "delay", delay, "err", err)
-		if !s.Pause(delay) {
-			return false
-		}
-	}
+	return brokersource.Retrier{Backoff: c.backoff, Outage: c.outage}.Publish(ctx, s.Pause, func(pctx context.Context) error {
+		return s.s.pub.publish(pctx, exchange, key, s.deadLetter(c.path.DeadLetterRecord(ctx, rec, info)))
+	}, "oncely rabbitmq dead-letter publish failed; the message waits", "queue", s.queue,
+		"exchange", exchange, "routing_key", key)
 }
 
 // deadLetter is the AMQP message of a dead-letter record: the delivery's
