@@ -16,14 +16,10 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/propagation"
-	sdktrace "go.opentelemetry.io/otel/sdk/trace"
-	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
-	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/internal/testhook"
 	"github.com/oncely/oncely/natsconsumer"
@@ -40,8 +36,7 @@ const natsURL = "nats://127.0.0.1:4222"
 // natsEnv is one test's JetStream stream, its dead-letter stream (both
 // deleted when the test ends) and its Postgres schema with an effects table.
 type natsEnv struct {
-	t       *testing.T
-	db      *testenv.DB
+	sourceDB
 	js      jetstream.JetStream
 	stream  string // the stream; its subjects are stream + ".>"
 	dlq     string // the dead-letter stream; subjects "dlq." + stream + ".>"
@@ -51,17 +46,13 @@ type natsEnv struct {
 func newNATSEnv(t *testing.T) *natsEnv {
 	t.Helper()
 	ctx := t.Context()
-	db := testenv.Migrated(t)
-	if _, err := db.Pool.Exec(ctx, `CREATE TABLE effects (message_id text NOT NULL, member text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
 	nc := natsConn(t)
 	js, err := jetstream.New(nc)
 	if err != nil {
 		t.Fatal(err)
 	}
 	name := strings.ToUpper(strings.NewReplacer("-", "_", ".", "_").Replace(testenv.UniqueName("oncely")))
-	e := &natsEnv{t: t, db: db, js: js, stream: name, dlq: name + "_DLQ", subject: name + ".orders"}
+	e := &natsEnv{sourceDB: newSourceDB(t), js: js, stream: name, dlq: name + "_DLQ", subject: name + ".orders"}
 	for stream, subject := range map[string]string{e.stream: name + ".>", e.dlq: "dlq." + name + ".>"} {
 		if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{subject}}); err != nil {
 			t.Fatalf("create stream %s: %v", stream, err)
@@ -107,14 +98,6 @@ func (e *natsEnv) ownJetStream() (*nats.Conn, jetstream.JetStream) {
 	return nc, js
 }
 
-// natsEffect records one effect per handler run.
-func natsEffect(member string) consumer.Handler {
-	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-		_, err := tx.Exec(ctx, `INSERT INTO effects (message_id, member) VALUES ($1, $2)`, msg.ID, member)
-		return err
-	}
-}
-
 // start runs a consumer of cfg until the test ends; the channel gets Run's
 // error.
 func (e *natsEnv) start(ctx context.Context, cfg natsconsumer.Config) (*natsconsumer.Consumer, <-chan error) {
@@ -151,15 +134,6 @@ func (e *natsEnv) publish(subject, data string, headers map[string]string) {
 	if _, err := e.js.PublishMsg(e.t.Context(), m); err != nil {
 		e.t.Fatal(err)
 	}
-}
-
-func (e *natsEnv) count(sql string, args ...any) int64 {
-	e.t.Helper()
-	var n int64
-	if err := e.db.Pool.QueryRow(e.t.Context(), sql, args...).Scan(&n); err != nil {
-		e.t.Fatal(err)
-	}
-	return n
 }
 
 // settled waits until the durable has no message pending or unacknowledged.
@@ -199,24 +173,6 @@ func (e *natsEnv) deadLetters(n int) []jetstream.Msg {
 	return out
 }
 
-// effects fails the test unless the handlers' effects number want.
-func (e *natsEnv) effects(want int64) {
-	e.t.Helper()
-	if n := e.count(`SELECT count(*) FROM effects`); n != want {
-		e.t.Fatalf("%d effects, want %d", n, want)
-	}
-}
-
-// waitForBlockedClaim waits until an inbox claim waits on another
-// transaction's lock.
-func (e *natsEnv) waitForBlockedClaim() {
-	e.t.Helper()
-	pattern := "INSERT INTO " + sqlident.Table(e.db.Schema, "inbox") + "%"
-	testenv.Eventually(e.t, 30*time.Second, "an inbox claim to wait on another transaction", func() bool {
-		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1`, pattern) > 0
-	})
-}
-
 // 25 deliveries of one message id (a producer's duplicates: 25 stored
 // messages, all with the same message-id header) run at once: one effect,
 // 24 duplicates, every delivery acknowledged.
@@ -225,7 +181,7 @@ func TestNATSConcurrentDuplicatesOneEffect(t *testing.T) {
 	for range 25 {
 		e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
 	}
-	cfg := e.config(e.js, natsEffect("a"))
+	cfg := e.config(e.js, sourceEffect("a"))
 	cfg.Concurrency = 25
 	c, _ := e.start(t.Context(), cfg)
 	e.settled()
@@ -248,7 +204,7 @@ func TestNATSCrashBetweenCommitAndAck(t *testing.T) {
 		crashed = true
 		return testhook.ErrCrash
 	}})
-	_, done := e.start(ctx, e.config(js1, natsEffect("first")))
+	_, done := e.start(ctx, e.config(js1, sourceEffect("first")))
 	select {
 	case err := <-done:
 		if !errors.Is(err, testhook.ErrCrash) || !crashed {
@@ -260,7 +216,7 @@ func TestNATSCrashBetweenCommitAndAck(t *testing.T) {
 	nc1.Close() // the process is gone with its connection
 
 	_, js2 := e.ownJetStream()
-	second, _ := e.start(t.Context(), e.config(js2, natsEffect("second")))
+	second, _ := e.start(t.Context(), e.config(js2, sourceEffect("second")))
 	e.settled()
 	e.effects(1)
 	if n := e.count(`SELECT count(*) FROM effects WHERE member = 'first'`); n != 1 {
@@ -285,7 +241,7 @@ func TestNATSTwoConsumersRaceOneEffect(t *testing.T) {
 			if first.CompareAndSwap(false, true) {
 				e.waitForBlockedClaim() // the other process's claim waits on ours
 			}
-			return natsEffect(member)(ctx, tx, msg)
+			return sourceEffect(member)(ctx, tx, msg)
 		}
 	}
 	var cs []*natsconsumer.Consumer
@@ -407,7 +363,7 @@ func TestNATSCrashLoopAcrossRestarts(t *testing.T) {
 		nc.Close()
 	}
 	_, js := e.ownJetStream()
-	cfg := e.config(js, natsEffect("last"))
+	cfg := e.config(js, sourceEffect("last"))
 	cfg.MaxAttempts = maxAttempts
 	c, _ := e.start(t.Context(), cfg)
 	out := e.deadLetters(1)[0]
@@ -431,45 +387,17 @@ func TestNATSCrashLoopAcrossRestarts(t *testing.T) {
 // messaging attributes.
 func TestNATSTraceContext(t *testing.T) {
 	e := newNATSEnv(t)
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	p := newTracedProducer(t)
+	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "traced-1", "traceparent": p.traceparent})
 
-	pctx, producer := tp.Tracer("producer").Start(t.Context(), "send orders")
-	carrier := propagation.MapCarrier{}
-	propagation.TraceContext{}.Inject(pctx, carrier)
-	producer.End()
-	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "traced-1", "traceparent": carrier["traceparent"]})
-
-	cfg := e.config(e.js, natsEffect("a"))
-	cfg.TracerProvider = tp
+	cfg := e.config(e.js, sourceEffect("a"))
+	cfg.TracerProvider = p.tp
 	_, _ = e.start(t.Context(), cfg)
 	e.settled()
-	var span sdktrace.ReadOnlySpan
-	testenv.Eventually(t, 10*time.Second, "the process span", func() bool {
-		for _, s := range rec.Ended() {
-			if s.Name() == "process "+e.subject {
-				span = s
-				return true
-			}
-		}
-		return false
-	})
-	if span.Parent().TraceID() != producer.SpanContext().TraceID() || span.Parent().SpanID() != producer.SpanContext().SpanID() {
-		t.Errorf("process span's parent %v, want the producer's span %v", span.Parent(), producer.SpanContext())
-	}
-	got := map[attribute.Key]string{}
-	for _, a := range span.Attributes() {
-		got[a.Key] = a.Value.String()
-	}
-	for k, v := range map[attribute.Key]string{
+	got := p.processSpan(t, "process "+e.subject, map[attribute.Key]string{
 		"messaging.system": "nats", "messaging.destination.name": e.subject, "messaging.consumer.group.name": "workers",
 		"messaging.message.id": "traced-1", "messaging.operation.type": "process", "oncely.dedup.outcome": "new",
-	} {
-		if got[k] != v {
-			t.Errorf("span attribute %s = %q, want %q", k, got[k], v)
-		}
-	}
+	})
 	if _, kafka := got["messaging.kafka.offset"]; kafka {
 		t.Error("a NATS span carries messaging.kafka.offset")
 	}
@@ -482,12 +410,12 @@ func TestNATSStartupChecks(t *testing.T) {
 	e := newNATSEnv(t)
 	for what, cfg := range map[string]natsconsumer.Config{
 		"DeadLetterSubject": func() natsconsumer.Config {
-			cfg := e.config(e.js, natsEffect("a"))
+			cfg := e.config(e.js, sourceEffect("a"))
 			cfg.DeadLetterSubject = func(subject string) string { return "nowhere." + subject }
 			return cfg
 		}(),
 		"NO_SUCH_STREAM": func() natsconsumer.Config {
-			cfg := e.config(e.js, natsEffect("a"))
+			cfg := e.config(e.js, sourceEffect("a"))
 			cfg.Stream = "NO_SUCH_STREAM"
 			return cfg
 		}(),
@@ -496,12 +424,7 @@ func TestNATSStartupChecks(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		err = c.Run(ctx)
-		cancel()
-		if err == nil || !strings.Contains(err.Error(), what) {
-			t.Errorf("Run: %v, want an error naming %s", err, what)
-		}
+		failsAtStart(t, what, c.Run)
 	}
 }
 

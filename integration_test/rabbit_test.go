@@ -22,9 +22,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/propagation"
-	sdktrace "go.opentelemetry.io/otel/sdk/trace"
-	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
@@ -47,8 +44,7 @@ const (
 // rabbitEnv is one test's quorum queue, its dead-letter queue (both deleted
 // when the test ends) and its Postgres schema with an effects table.
 type rabbitEnv struct {
-	t     *testing.T
-	db    *testenv.DB
+	sourceDB
 	conn  *amqp.Connection // the test's own, for publishing and inspecting
 	queue string
 	dlq   string // rabbitconsumer.DefaultDeadLetterRoutingKey(queue)
@@ -56,14 +52,9 @@ type rabbitEnv struct {
 
 func newRabbitEnv(t *testing.T) *rabbitEnv {
 	t.Helper()
-	db := testenv.Migrated(t)
-	if _, err := db.Pool.Exec(t.Context(), `CREATE TABLE effects (message_id text NOT NULL, member text NOT NULL,
-		at timestamptz NOT NULL DEFAULT clock_timestamp())`); err != nil {
-		t.Fatal(err)
-	}
 	conn := rabbitConn(t)
 	q := testenv.UniqueName("oncely-rabbit")
-	e := &rabbitEnv{t: t, db: db, conn: conn, queue: q, dlq: rabbitconsumer.DefaultDeadLetterRoutingKey(q)}
+	e := &rabbitEnv{sourceDB: newSourceDB(t), conn: conn, queue: q, dlq: rabbitconsumer.DefaultDeadLetterRoutingKey(q)}
 	for _, name := range []string{e.queue, e.dlq} {
 		e.declareQueue(name)
 	}
@@ -121,14 +112,6 @@ func (e *rabbitEnv) config(h consumer.Handler) rabbitconsumer.Config {
 		URL: rabbitURL, Queues: []string{e.queue}, Group: "workers", Pool: e.db.Pool, Schema: e.db.Schema, Handler: h,
 		RetryBaseDelay: 10 * time.Millisecond, RetryMaxDelay: 50 * time.Millisecond,
 		ShutdownTimeout: 5 * time.Second, ReconnectMaxDelay: 200 * time.Millisecond,
-	}
-}
-
-// rabbitEffect records one effect per handler run.
-func rabbitEffect(member string) consumer.Handler {
-	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-		_, err := tx.Exec(ctx, `INSERT INTO effects (message_id, member) VALUES ($1, $2)`, msg.ID, member)
-		return err
 	}
 }
 
@@ -197,24 +180,6 @@ func (e *rabbitEnv) publish(queue, body, messageID string, headers amqp.Table) {
 	}
 }
 
-func (e *rabbitEnv) count(sql string, args ...any) int64 {
-	e.t.Helper()
-	var n int64
-	if err := e.db.Pool.QueryRow(e.t.Context(), sql, args...).Scan(&n); err != nil {
-		e.t.Fatal(err)
-	}
-	return n
-}
-
-// effects fails the test unless the handlers' effects number want, one per
-// message id.
-func (e *rabbitEnv) effects(want int64) {
-	e.t.Helper()
-	if n, ids := e.count(`SELECT count(*) FROM effects`), e.count(`SELECT count(DISTINCT message_id) FROM effects`); n != want || ids != want {
-		e.t.Fatalf("%d effects of %d message ids, want %d of %d", n, ids, want, want)
-	}
-}
-
 // empty fails the test unless queue holds no message: with every consumer
 // stopped, an unacknowledged message would be back in it.
 func (e *rabbitEnv) empty(queue string) {
@@ -264,16 +229,6 @@ func amqpHeader(d amqp.Delivery, key string) string {
 	return fmt.Sprint(v)
 }
 
-// waitForBlockedClaim waits until an inbox claim waits on another
-// transaction's lock.
-func (e *rabbitEnv) waitForBlockedClaim() {
-	e.t.Helper()
-	testenv.Eventually(e.t, 30*time.Second, "an inbox claim to wait on another transaction", func() bool {
-		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1`,
-			"INSERT INTO "+pgx.Identifier{e.db.Schema, "inbox"}.Sanitize()+"%") > 0
-	})
-}
-
 // 25 deliveries of one message id (a producer's duplicates: 25 messages,
 // all with the same message_id) run at once: one effect, 24 duplicates,
 // every delivery acknowledged.
@@ -282,7 +237,7 @@ func TestRabbitConcurrentDuplicatesOneEffect(t *testing.T) {
 	for range 25 {
 		e.publish(e.queue, "order", "order-1", nil)
 	}
-	cfg := e.config(rabbitEffect("a"))
+	cfg := e.config(sourceEffect("a"))
 	cfg.Concurrency = 25
 	r := e.start(t.Context(), cfg)
 	testenv.Eventually(t, 30*time.Second, "every delivery settled", func() bool {
@@ -311,7 +266,7 @@ func TestRabbitTwoConsumersRaceOneEffect(t *testing.T) {
 			if first.CompareAndSwap(false, true) {
 				e.waitForBlockedClaim() // the other consumer's claim waits on ours
 			}
-			return rabbitEffect(member)(ctx, tx, msg)
+			return sourceEffect(member)(ctx, tx, msg)
 		}
 	}
 	var rs []*rabbitRun
@@ -460,7 +415,7 @@ func TestRabbitSeveralQueues(t *testing.T) {
 		if msg.ID == "poison-1" {
 			return dlq.Permanent(errors.New("refused"))
 		}
-		return rabbitEffect("a")(ctx, tx, msg)
+		return sourceEffect("a")(ctx, tx, msg)
 	})
 	cfg.Queues = []string{e.queue, second}
 	r := e.start(t.Context(), cfg)
@@ -538,7 +493,7 @@ func TestRabbitRetryDoesNotBlockQueue(t *testing.T) {
 				return fmt.Errorf("only %d of the others done", done)
 			}
 		}
-		return rabbitEffect("a")(ctx, tx, msg)
+		return sourceEffect("a")(ctx, tx, msg)
 	})
 	cfg.Concurrency, cfg.Prefetch, cfg.MaxAttempts = 1, 4, 200
 	cfg.RetryBaseDelay, cfg.RetryMaxDelay = 20*time.Millisecond, 20*time.Millisecond
@@ -566,46 +521,18 @@ func TestRabbitRetryDoesNotBlockQueue(t *testing.T) {
 // the messaging attributes.
 func TestRabbitTraceContext(t *testing.T) {
 	e := newRabbitEnv(t)
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	p := newTracedProducer(t)
+	e.publish(e.queue, "order", "traced-1", amqp.Table{"traceparent": p.traceparent})
 
-	pctx, producer := tp.Tracer("producer").Start(t.Context(), "send orders")
-	carrier := propagation.MapCarrier{}
-	propagation.TraceContext{}.Inject(pctx, carrier)
-	producer.End()
-	e.publish(e.queue, "order", "traced-1", amqp.Table{"traceparent": carrier["traceparent"]})
-
-	cfg := e.config(rabbitEffect("a"))
-	cfg.TracerProvider = tp
+	cfg := e.config(sourceEffect("a"))
+	cfg.TracerProvider = p.tp
 	r := e.start(t.Context(), cfg)
-	var span sdktrace.ReadOnlySpan
-	testenv.Eventually(t, 30*time.Second, "the process span", func() bool {
-		for _, s := range rec.Ended() {
-			if s.Name() == "process "+e.queue {
-				span = s
-				return true
-			}
-		}
-		return false
-	})
-	r.stop(t)
-	if span.Parent().TraceID() != producer.SpanContext().TraceID() || span.Parent().SpanID() != producer.SpanContext().SpanID() {
-		t.Errorf("process span's parent %v, want the producer's span %v", span.Parent(), producer.SpanContext())
-	}
-	got := map[attribute.Key]string{}
-	for _, a := range span.Attributes() {
-		got[a.Key] = a.Value.Emit()
-	}
-	for k, v := range map[attribute.Key]string{
+	got := p.processSpan(t, "process "+e.queue, map[attribute.Key]string{
 		"messaging.system": "rabbitmq", "messaging.destination.name": e.queue, "messaging.consumer.group.name": "workers",
 		"messaging.message.id": "traced-1", "messaging.operation.type": "process", "oncely.dedup.outcome": "new",
 		"messaging.rabbitmq.destination.routing_key": e.queue,
-	} {
-		if got[k] != v {
-			t.Errorf("span attribute %s = %q, want %q", k, got[k], v)
-		}
-	}
+	})
+	r.stop(t)
 	if _, ok := got["messaging.rabbitmq.message.delivery_tag"]; !ok {
 		t.Error("the span has no messaging.rabbitmq.message.delivery_tag")
 	}
@@ -622,22 +549,22 @@ func TestRabbitStartupChecks(t *testing.T) {
 	other := newRabbitEnv(t)
 	for what, cfg := range map[string]rabbitconsumer.Config{
 		"no-such-queue": func() rabbitconsumer.Config {
-			cfg := e.config(rabbitEffect("a"))
+			cfg := e.config(sourceEffect("a"))
 			cfg.Queues = []string{e.queue, "no-such-queue"}
 			return cfg
 		}(),
 		"DeadLetterRoutingKey": func() rabbitconsumer.Config {
-			cfg := e.config(rabbitEffect("a"))
+			cfg := e.config(sourceEffect("a"))
 			cfg.DeadLetterRoutingKey = func(q string) string { return q + ".nowhere" }
 			return cfg
 		}(),
 		"DeadLetterExchange": func() rabbitconsumer.Config {
-			cfg := e.config(rabbitEffect("a"))
+			cfg := e.config(sourceEffect("a"))
 			cfg.DeadLetterExchange = "no-such-exchange"
 			return cfg
 		}(),
 		"inbox": func() rabbitconsumer.Config {
-			cfg := other.config(rabbitEffect("a"))
+			cfg := other.config(sourceEffect("a"))
 			cfg.Schema = testenv.Postgres(t).Schema // not migrated
 			return cfg
 		}(),
@@ -646,12 +573,7 @@ func TestRabbitStartupChecks(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		err = c.Run(ctx)
-		cancel()
-		if err == nil || !strings.Contains(err.Error(), what) {
-			t.Errorf("Run: %v, want an error naming %s", err, what)
-		}
+		failsAtStart(t, what, c.Run)
 	}
 }
 
@@ -666,7 +588,7 @@ func TestRabbitConnectionCutMidStream(t *testing.T) {
 		e.publish(e.queue, "order", "order-"+strconv.Itoa(i), nil)
 	}
 	proxy := pgtest.NewTCPProxy(t, rabbitAddr)
-	cfg := e.config(rabbitEffect("a"))
+	cfg := e.config(sourceEffect("a"))
 	cfg.URL = "amqp://guest:guest@" + proxy.Addr + "/"
 	cfg.Concurrency, cfg.Prefetch = 4, 32
 	r := e.start(t.Context(), cfg)
@@ -731,7 +653,7 @@ func TestRabbitRelayPublishesWithMessageIDs(t *testing.T) {
 	for _, m := range msgs {
 		e.publish(e.queue, string(m.Body), m.MessageId, m.Headers)
 	}
-	r := e.start(ctx, e.config(rabbitEffect("a")))
+	r := e.start(ctx, e.config(sourceEffect("a")))
 	testenv.Eventually(t, 30*time.Second, "every copy settled", func() bool {
 		st := r.c.Stats()
 		return st.Processed+st.Duplicates == int64(len(msgs))
@@ -784,7 +706,7 @@ func TestRabbitChildWorker(t *testing.T) {
 	defer pool.Close()
 	die := func(*kgo.Record) error { os.Exit(rabbitExitCode); return nil }
 	hooks := &testhook.Consumer{}
-	handler := rabbitEffect("child")
+	handler := sourceEffect("child")
 	switch f[4] {
 	case rabbitDieAfterCommit:
 		hooks.AfterCommit = die
@@ -841,7 +763,7 @@ func TestRabbitCrashBetweenCommitAndAck(t *testing.T) {
 	if n := e.count(`SELECT count(*) FROM effects WHERE member = 'child'`); n != 1 {
 		t.Fatalf("the crashed process's effect is missing (%d)", n)
 	}
-	r := e.start(t.Context(), e.config(rabbitEffect("second")))
+	r := e.start(t.Context(), e.config(sourceEffect("second")))
 	testenv.Eventually(t, 30*time.Second, "the redelivery settled", func() bool { return r.c.Stats().Duplicates == 1 })
 	r.stop(t)
 	e.empty(e.queue)
@@ -862,7 +784,7 @@ func TestRabbitCrashMidHandler(t *testing.T) {
 	var attempt atomic.Int64
 	r := e.start(t.Context(), e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 		attempt.Store(int64(msg.Attempt))
-		return rabbitEffect("second")(ctx, tx, msg)
+		return sourceEffect("second")(ctx, tx, msg)
 	}))
 	testenv.Eventually(t, 30*time.Second, "the redelivery processed", func() bool { return r.c.Stats().Processed == 1 })
 	r.stop(t)
@@ -912,7 +834,7 @@ func TestRabbitCrashLoopAcrossRestarts(t *testing.T) {
 	var runs atomic.Int32
 	cfg := e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 		runs.Add(1)
-		return rabbitEffect("last")(ctx, tx, msg)
+		return sourceEffect("last")(ctx, tx, msg)
 	})
 	cfg.MaxAttempts = maxAttempts
 	r := e.start(t.Context(), cfg)
