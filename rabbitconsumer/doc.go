@@ -70,9 +70,12 @@
 // Attempts within one delivery are counted in the process. Attempts that
 // end with the process (os.Exit, the OOM killer, a panic in a goroutine the
 // handler started) or with its connection are counted by the queue: a
-// quorum queue's x-delivery-count header says how many times the message
-// was delivered before, and each such delivery counts as an attempt
-// (Source.Spent). A delivery that comes after MaxAttempts of them is
+// quorum queue's x-delivery-count header (and, from RabbitMQ 4.3, whose
+// x-delivery-count counts only returns taken for failures, its
+// x-acquired-count header: the larger is taken) says how many times the
+// message was delivered before, and each such delivery counts as an
+// attempt (Source.Spent): the consumer never hands a message back itself,
+// so an earlier delivery is one that ended without a verdict. A delivery that comes after MaxAttempts of them is
 // dead-lettered as class crash_loop without running, unless the inbox
 // shows it finished (processed, or dead-lettered) and only its ack was lost.
 // A classic queue counts nothing (only the redelivered flag): there a

@@ -39,12 +39,21 @@ const (
 	HeaderRoutingKey    = dlq.Prefix + "routing-key"    // the routing key it was published with
 	HeaderDeliveryTag   = dlq.Prefix + "delivery-tag"   // the delivery tag of the last delivery, decimal
 	HeaderRedelivered   = dlq.Prefix + "redelivered"    // the last delivery's redelivered flag, "true" or "false"
-	HeaderDeliveryCount = dlq.Prefix + "delivery-count" // the quorum queue's x-delivery-count of the last delivery, decimal (0 on a classic queue)
+	HeaderDeliveryCount = dlq.Prefix + "delivery-count" // the earlier deliveries the queue counted (DeliveryCountHeader, AcquiredCountHeader), decimal; 0 on a classic queue
 )
 
-// DeliveryCountHeader is the header in which a quorum queue counts a
-// message's earlier deliveries; a classic queue sets none.
-const DeliveryCountHeader = "x-delivery-count"
+// The headers in which a quorum queue counts a message's earlier
+// deliveries; a classic queue sets neither. Up to RabbitMQ 4.2,
+// x-delivery-count counts every return to the queue, a lost connection's
+// included; from 4.3 it counts only the returns taken for failures, and
+// x-acquired-count counts every delivery to a consumer. The consumer never
+// returns a message itself (it settles each with an ack once decided), so
+// each earlier delivery either count shows ended without a verdict: the
+// larger is taken.
+const (
+	DeliveryCountHeader = "x-delivery-count"
+	AcquiredCountHeader = "x-acquired-count"
+)
 
 // System is the messaging.system of spans and metrics.
 const System = "rabbitmq"
@@ -622,29 +631,39 @@ func (s *source) release() {
 	}
 }
 
-// deliveryCount is the quorum queue's count of d's earlier deliveries. A
-// redelivery without one (a classic queue) is warned about, once per queue:
-// deliveries that end with the process are not counted there.
+// deliveryCount is the quorum queue's count of d's earlier deliveries
+// (the larger of DeliveryCountHeader and AcquiredCountHeader). A redelivery
+// without one (a classic queue) is warned about, once per queue: deliveries
+// that end with the process are not counted there.
 func (s *source) deliveryCount() int {
-	switch v := s.d.Headers[DeliveryCountHeader].(type) {
-	case int64:
-		return int(v)
-	case int32:
-		return int(v)
-	case int:
-		return int(v)
+	n, counted := 0, false
+	for _, h := range []string{DeliveryCountHeader, AcquiredCountHeader} {
+		var v int64
+		switch x := s.d.Headers[h].(type) {
+		case int64:
+			v = x
+		case int32:
+			v = int64(x)
+		case int16:
+			v = int64(x)
+		case int:
+			v = int64(x)
+		default:
+			continue
+		}
+		n, counted = max(n, int(v)), true
 	}
-	if s.d.Redelivered {
+	if !counted && s.d.Redelivered {
 		if _, seen := s.s.r.c.classic.LoadOrStore(s.queue, true); !seen {
 			s.s.r.c.cfg.Logger.Warn("oncely rabbitmq queue redelivers without x-delivery-count (a classic queue?): "+
 				"a message that kills the process is not detected there; use a quorum queue", "queue", s.queue)
 		}
 	}
-	return 0
+	return n
 }
 
 // Spent: the deliveries before this one that reached no verdict, each an
-// attempt (a quorum queue's x-delivery-count; 0 on a classic queue).
+// attempt (a quorum queue's count; 0 on a classic queue).
 func (s *source) Spent() int { return s.spent }
 
 // wait waits d; false once the connection is lost or the drain gives up.
@@ -750,6 +769,7 @@ func (s *source) deadLetter(out *kgo.Record) amqp.Publishing {
 		headers[h.Key] = string(h.Value)
 	}
 	delete(headers, DeliveryCountHeader) // the dead-letter queue counts its own deliveries
+	delete(headers, AcquiredCountHeader)
 	headers[HeaderQueue] = s.queue
 	headers[HeaderExchange] = d.Exchange
 	headers[HeaderRoutingKey] = d.RoutingKey
