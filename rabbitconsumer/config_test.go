@@ -20,6 +20,7 @@ func TestNewNamesTheInvalidField(t *testing.T) {
 		{"Queues", Config{URL: url, Queues: []string{"a", "a"}, Group: "g"}},
 		{"Queues", Config{URL: url, Queues: []string{""}, Group: "g"}},
 		{"Group", Config{URL: url, Queues: q}},
+		{"Group", Config{URL: url, Queues: q, Group: strings.Repeat("g", 201)}},
 		{"Concurrency", Config{URL: url, Queues: q, Group: "g", Concurrency: -1}},
 		{"Prefetch", Config{URL: url, Queues: q, Group: "g", Concurrency: 4, Prefetch: 2}},
 		{"DeadLetterRoutingKey", Config{URL: url, Queues: q, Group: "g", DeadLetterRoutingKey: func(q string) string { return q }}},

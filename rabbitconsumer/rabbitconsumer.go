@@ -197,8 +197,8 @@ func New(cfg Config) (*Consumer, error) {
 		return nil, invalid("Dial", "set URL or Dial, not both")
 	case len(cfg.Queues) == 0:
 		return nil, invalid("Queues", "at least one queue is required")
-	case cfg.Group == "":
-		return nil, invalid("Group", "a consumer group name is required")
+	case cfg.Group == "" || len(cfg.Group) > 200:
+		return nil, invalid("Group", "a consumer group name of 1 to 200 bytes is required (it names the consumer tags), got %d bytes", len(cfg.Group))
 	case cfg.Concurrency < 1:
 		return nil, invalid("Concurrency", "must be at least 1, got %d", cfg.Concurrency)
 	case cfg.Prefetch < cfg.Concurrency || cfg.Prefetch > 65535:
