@@ -613,6 +613,31 @@ func TestRabbitConnectionCutMidStream(t *testing.T) {
 	t.Logf("processed before the cut: %d, duplicates (redelivered after committing): %d", cut, r.c.Stats().Duplicates)
 }
 
+// RabbitMQ cancels the consumer of a queue that is deleted while it is
+// consumed: the consumer reports the queue missing, waits for it, and
+// consumes it again once it is declared again.
+func TestRabbitQueueDeletedWhileConsuming(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "order", "order-1", nil)
+	r := e.start(t.Context(), e.config(sourceEffect("a")))
+	testenv.Eventually(t, 30*time.Second, "the first message processed", func() bool { return r.c.Stats().Processed == 1 })
+	if _, err := e.channel().QueueDelete(e.queue, false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 30*time.Second, "the consumer to report the queue missing", func() bool {
+		return strings.Contains(r.c.NotReady(), e.queue)
+	})
+	if _, err := e.channel().QueueDeclare(e.queue, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
+	}
+	e.publish(e.queue, "order", "order-2", nil)
+	testenv.Eventually(t, 30*time.Second, "the second message processed", func() bool { return r.c.Stats().Processed == 2 })
+	testenv.Eventually(t, 10*time.Second, "the consumer ready again", r.c.Ready)
+	r.stop(t)
+	e.empty(e.queue)
+	e.effects(2)
+}
+
 // The outbox relay publishes to RabbitMQ with message_id set to each row's
 // message id, one row after another with publisher confirms. A relay that
 // dies after the confirmations and before marking the rows sent is followed

@@ -466,6 +466,10 @@ func (r *run) session(ctx context.Context) error {
 		return fmt.Errorf("rabbitconsumer: basic.qos prefetch %d: %w", c.cfg.Prefetch, err)
 	}
 	s := &session{r: r, ch: ch, pub: pub, lost: lost}
+	// cancelled gets the queue of a consumer that RabbitMQ cancelled (its
+	// queue was deleted, or a quorum queue's leader moved): the session
+	// ends, and the next one consumes it again, or waits for it.
+	cancelled := make(chan string, len(c.cfg.Queues))
 	tags := make([]string, len(c.cfg.Queues))
 	for i, q := range c.cfg.Queues {
 		tags[i] = "oncely-" + c.cfg.Group + "-" + strconv.Itoa(i)
@@ -483,6 +487,7 @@ func (r *run) session(ctx context.Context) error {
 					s.handle(q, d)
 				}()
 			}
+			cancelled <- q
 		}()
 	}
 	c.sessions.Add(1)
@@ -501,6 +506,9 @@ func (r *run) session(ctx context.Context) error {
 	case closed = <-connClosed:
 	case closed = <-chClosed:
 	case closed = <-pubClosed:
+	case q := <-cancelled:
+		c.disconnected(fmt.Sprintf("the consumer of queue %q was cancelled", q))
+		return fmt.Errorf("rabbitconsumer: RabbitMQ cancelled the consumer of queue %q (deleted, or its leader moved)", q)
 	}
 	if closed == nil {
 		closed = amqp.ErrClosed
