@@ -496,9 +496,10 @@ func TestRabbitRetryDoesNotBlockQueue(t *testing.T) {
 		return sourceEffect("a")(ctx, tx, msg)
 	})
 	cfg.Concurrency, cfg.Prefetch, cfg.MaxAttempts = 1, 4, 200
-	cfg.RetryBaseDelay, cfg.RetryMaxDelay = 20*time.Millisecond, 20*time.Millisecond
+	// About 10s of retries (200 of up to 100ms), for the others' 10 commits.
+	cfg.RetryBaseDelay, cfg.RetryMaxDelay = 100*time.Millisecond, 100*time.Millisecond
 	r := e.start(t.Context(), cfg)
-	testenv.Eventually(t, 30*time.Second, "every message settled", func() bool {
+	testenv.Eventually(t, 60*time.Second, "every message settled", func() bool {
 		st := r.c.Stats()
 		return st.Processed+st.DeadLettered == others+1
 	})
