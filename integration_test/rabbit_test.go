@@ -756,26 +756,20 @@ func TestRabbitChildWorker(t *testing.T) {
 // fails the test unless it did.
 func (e *rabbitEnv) crashChild(maxAttempts int, point string) {
 	e.t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestRabbitChildWorker$", "-test.count=1")
+	ctx, cancel := context.WithTimeout(e.t.Context(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestRabbitChildWorker$", "-test.count=1")
 	cmd.Env = append(os.Environ(), rabbitChildEnv+"="+strings.Join([]string{
 		e.db.URL, e.db.Schema, e.queue, strconv.Itoa(maxAttempts), point}, "|"))
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Start(); err != nil {
-		e.t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	select {
-	case err := <-exited:
-		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.ExitCode() != rabbitExitCode {
-			e.t.Fatalf("child worker (%s) ended with %v, want exit code %d:\n%s", point, err, rabbitExitCode, out.String())
-		}
-	case <-time.After(60 * time.Second):
-		_ = cmd.Process.Kill()
-		<-exited
+	err := cmd.Run() // killed when ctx ends
+	if ctx.Err() != nil {
 		e.t.Fatalf("child worker (%s) did not die:\n%s", point, out.String())
+	}
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != rabbitExitCode {
+		e.t.Fatalf("child worker (%s) ended with %v, want exit code %d:\n%s", point, err, rabbitExitCode, out.String())
 	}
 }
 

@@ -115,7 +115,7 @@ func (p *tracedProducer) processSpan(t *testing.T, name string, want map[attribu
 	}
 	got := map[attribute.Key]string{}
 	for _, a := range span.Attributes() {
-		got[a.Key] = a.Value.Emit()
+		got[a.Key] = a.Value.String()
 	}
 	for k, v := range want {
 		if got[k] != v {

@@ -71,5 +71,3 @@ func (p *confirmer) publish(ctx context.Context, exchange, key string, msg amqp.
 	}
 	return nil
 }
-
-func (p *confirmer) close() { _ = p.ch.Close() }
