@@ -58,6 +58,7 @@ func newRabbitEnv(t *testing.T) *rabbitEnv {
 	for _, name := range []string{e.queue, e.dlq} {
 		e.declareQueue(name)
 	}
+	e.deleteAtEnd(rabbitconsumer.DefaultRetryQueue(q)) // declared by the consumers
 	return e
 }
 
@@ -89,6 +90,11 @@ func (e *rabbitEnv) declareQueue(name string) {
 	if _, err := e.channel().QueueDeclare(name, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
 		e.t.Fatalf("declare queue %s: %v", name, err)
 	}
+	e.deleteAtEnd(name)
+}
+
+// deleteAtEnd deletes the queue name, if it exists, when the test ends.
+func (e *rabbitEnv) deleteAtEnd(name string) {
 	e.t.Cleanup(func() {
 		conn, err := amqp.Dial(rabbitURL)
 		if err != nil {
@@ -406,6 +412,7 @@ func TestRabbitSeveralQueues(t *testing.T) {
 	second := testenv.UniqueName("oncely-rabbit")
 	e.declareQueue(second)
 	e.declareQueue(rabbitconsumer.DefaultDeadLetterRoutingKey(second))
+	e.deleteAtEnd(rabbitconsumer.DefaultRetryQueue(second))
 	for i := range 5 {
 		e.publish(e.queue, "order", "first-"+strconv.Itoa(i), nil)
 		e.publish(second, "order", "second-"+strconv.Itoa(i), nil)
@@ -434,9 +441,9 @@ func TestRabbitSeveralQueues(t *testing.T) {
 	}
 }
 
-// A handler that keeps failing runs again after a backoff, each attempt
-// counted, and the MaxAttempts-th failure dead-letters the message (class
-// max_attempts).
+// A handler that keeps failing runs again after a backoff (a copy waits in
+// the retry queue, then comes back), each attempt counted, and the
+// MaxAttempts-th failure dead-letters the message (class max_attempts).
 func TestRabbitRetriesThenDeadLetter(t *testing.T) {
 	e := newRabbitEnv(t)
 	e.publish(e.queue, "order", "flaky-1", nil)
@@ -454,10 +461,14 @@ func TestRabbitRetriesThenDeadLetter(t *testing.T) {
 	testenv.Eventually(t, 30*time.Second, "the message settled", func() bool { return r.c.Stats().DeadLettered == 1 })
 	r.stop(t)
 	e.empty(e.queue)
+	e.empty(rabbitconsumer.DefaultRetryQueue(e.queue))
 	mu.Lock()
 	defer mu.Unlock()
 	if !slices.Equal(attempts, []int{1, 2, 3}) {
 		t.Fatalf("handler attempts %v, want [1 2 3]", attempts)
+	}
+	if _, ok := out.Headers[rabbitconsumer.HeaderAttempts]; ok {
+		t.Error("the dead letter carries the retry copy's attempts header")
 	}
 	for k, v := range map[string]string{dlq.HeaderErrorClass: string(dlq.ClassMaxAttempts), dlq.HeaderAttempts: "3"} {
 		if got := amqpHeader(out, k); got != v {
@@ -470,10 +481,11 @@ func TestRabbitRetriesThenDeadLetter(t *testing.T) {
 }
 
 // A message waiting for its retry does not hold up the queue: with one
-// place to run (Concurrency 1), a message that fails until every other
-// message's effect has committed succeeds, after them. Were the waiting
-// message to keep its place, the others could not run, and it would fail
-// all its MaxAttempts and be dead-lettered.
+// place to run and one message handed over at a time (Concurrency and
+// Prefetch 1), a message that fails until every other message's effect has
+// committed succeeds, after them. Were the waiting message to keep its
+// place, the others could not run, and it would fail all its MaxAttempts
+// and be dead-lettered.
 func TestRabbitRetryDoesNotBlockQueue(t *testing.T) {
 	e := newRabbitEnv(t)
 	const others = 10
@@ -495,7 +507,7 @@ func TestRabbitRetryDoesNotBlockQueue(t *testing.T) {
 		}
 		return sourceEffect("a")(ctx, tx, msg)
 	})
-	cfg.Concurrency, cfg.Prefetch, cfg.MaxAttempts = 1, 4, 200
+	cfg.Concurrency, cfg.Prefetch, cfg.MaxAttempts = 1, 1, 200
 	// About 10s of retries (200 of up to 100ms), for the others' 10 commits.
 	cfg.RetryBaseDelay, cfg.RetryMaxDelay = 100*time.Millisecond, 100*time.Millisecond
 	r := e.start(t.Context(), cfg)
@@ -843,10 +855,16 @@ func TestRabbitCrashAfterDeadLetterBeforeAck(t *testing.T) {
 // A message that kills every process that runs it is delivered again with
 // a higher x-delivery-count (a quorum queue counts the deliveries that
 // ended with their connection); the delivery after MaxAttempts of them
-// dead-letters it as a crash loop without running the handler again.
+// dead-letters it as a crash loop without running the handler again. The
+// messages behind it, which no process that died had started, are not
+// blamed: each is applied once.
 func TestRabbitCrashLoopAcrossRestarts(t *testing.T) {
 	e := newRabbitEnv(t)
 	e.publish(e.queue, "order", "killer-1", nil)
+	const others = 3 // behind the killer: delivered to no process that it kills
+	for i := range others {
+		e.publish(e.queue, "order", "order-"+strconv.Itoa(i), nil)
+	}
 	const maxAttempts = 2
 	for range maxAttempts {
 		e.crashChild(maxAttempts, rabbitDieInHandler)
@@ -859,10 +877,14 @@ func TestRabbitCrashLoopAcrossRestarts(t *testing.T) {
 	cfg.MaxAttempts = maxAttempts
 	r := e.start(t.Context(), cfg)
 	out := e.take(e.dlq, 1)[0]
-	testenv.Eventually(t, 30*time.Second, "the message settled", func() bool { return r.c.Stats().DeadLettered == 1 })
+	testenv.Eventually(t, 30*time.Second, "every message settled", func() bool {
+		st := r.c.Stats()
+		return st.DeadLettered == 1 && st.Processed == others
+	})
 	r.stop(t)
 	e.empty(e.queue)
-	if got := amqpHeader(out, dlq.HeaderErrorClass); got != string(dlq.ClassCrashLoop) {
+	e.empty(e.dlq)
+	if got := amqpHeader(out, dlq.HeaderErrorClass); got != string(dlq.ClassCrashLoop) || out.MessageId != "killer-1" {
 		t.Errorf("class %q, want crash_loop", got)
 	}
 	if got := amqpHeader(out, rabbitconsumer.HeaderDeliveryCount); got != strconv.Itoa(maxAttempts) {
@@ -871,9 +893,11 @@ func TestRabbitCrashLoopAcrossRestarts(t *testing.T) {
 	if got := amqpHeader(out, rabbitconsumer.HeaderRedelivered); got != "true" {
 		t.Errorf("redelivered %q, want true", got)
 	}
-	if runs.Load() != 0 || e.count(`SELECT count(*) FROM effects`) != 0 {
-		t.Errorf("handler runs %d, effects %d; want 0 and 0", runs.Load(), e.count(`SELECT count(*) FROM effects`))
+	if runs.Load() != others || e.count(`SELECT count(*) FROM effects WHERE message_id = 'killer-1'`) != 0 {
+		t.Errorf("handler runs %d, the killer's effects %d; want %d (the others once each) and 0", runs.Load(),
+			e.count(`SELECT count(*) FROM effects WHERE message_id = 'killer-1'`), others)
 	}
+	e.effects(others)
 	if st := r.c.Stats(); st.CrashLoops != 1 {
 		t.Errorf("crash loops %d, want 1", st.CrashLoops)
 	}

@@ -24,6 +24,8 @@ func TestNewNamesTheInvalidField(t *testing.T) {
 		{"Concurrency", Config{URL: url, Queues: q, Group: "g", Concurrency: -1}},
 		{"Prefetch", Config{URL: url, Queues: q, Group: "g", Concurrency: 4, Prefetch: 2}},
 		{"DeadLetterRoutingKey", Config{URL: url, Queues: q, Group: "g", DeadLetterRoutingKey: func(q string) string { return q }}},
+		{"RetryQueue", Config{URL: url, Queues: q, Group: "g", RetryQueue: func(string) string { return "orders" }}},
+		{"RetryQueue", Config{URL: url, Queues: q, Group: "g", RetryQueue: func(string) string { return "orders.dlq" }}},
 		{"ShutdownTimeout", Config{URL: url, Queues: q, Group: "g", ShutdownTimeout: -1}},
 		{"Pool", Config{URL: url, Queues: q, Group: "g"}},
 	} {

@@ -20,9 +20,9 @@
 //     delivered twice; its effect never happens twice.
 //  3. A failure that is the message's or its handler's (an error, a panic,
 //     a constraint error, a handler timeout) rolls back and runs again
-//     after a backoff (exponential, full jitter), up to MaxAttempts; then,
-//     or at once for dlq.Permanent and dlq.Undecodable errors, the message
-//     is dead-lettered.
+//     after a backoff (exponential, full jitter), through the retry queue,
+//     up to MaxAttempts; then, or at once for dlq.Permanent and
+//     dlq.Undecodable errors, the message is dead-lettered.
 //  4. Contention (deadlock, serialization failure, lock timeout) and an
 //     unreachable database retry in place, spending no attempt.
 //  5. A dead letter is published to DeadLetterExchange with the routing key
@@ -49,26 +49,48 @@
 //
 // # Retries without blocking the queue
 //
-// RabbitMQ has no delayed redelivery of its own. A failed message could be
-// acknowledged and republished to a delay queue whose per-message TTL
-// dead-letters it back (durable across crashes, but two publishes and an
-// ack per retry, a copy to deduplicate when a crash falls between them,
-// and per-message TTLs expire only at the head of a queue, so one long
-// delay holds up shorter ones behind it). Instead, a failed message stays
-// unacknowledged in the process while it waits for its next attempt, and
-// gives up its place of Concurrency meanwhile: other messages run. What it
-// holds is one of Prefetch's places (basic.qos, per queue; default
-// 4×Concurrency), so a queue stalls only when Prefetch messages all wait
-// for retries at once; raise Prefetch where many messages fail together.
-// The message never leaves the queue until its verdict: a crash or a lost
-// connection returns it to the queue, which delivers it again. Keep
-// MaxAttempts×RetryMaxDelay under RabbitMQ's consumer_timeout (30 minutes
-// by default), which closes a channel that holds a delivery longer.
+// RabbitMQ has no delayed redelivery of its own, and a failed message must
+// neither block the queue while it waits nor be blamed for deaths it did
+// not cause. Two ways were weighed:
+//
+//   - Keep the failed message unacknowledged in the process, on a timer,
+//     while others run. Nothing is published, but the message holds a
+//     prefetch place while it waits, so Prefetch must exceed Concurrency for
+//     the queue to flow; and then messages wait, delivered but not started,
+//     whenever the places to run are full. A quorum queue counts
+//     deliveries, not runs: when a message kills the process, every message
+//     delivered to it is counted, and after MaxAttempts deaths the
+//     innocent ones behind it would be dead-lettered as a crash loop with
+//     it.
+//   - Hand the message back through a retry queue (chosen): a copy, with
+//     HeaderAttempts the attempts spent, is published to RetryQueue(queue)
+//     with the backoff as its expiration, and the original is
+//     acknowledged once the copy is confirmed. The retry queue has no
+//     consumer and dead-letters expired messages back to the queue. The
+//     message waits durably in RabbitMQ, holding no place, so Prefetch can
+//     stay at Concurrency (the default): every message delivered runs at
+//     once, and a process's death is counted only against the messages it
+//     was running. The costs: a publish with a confirmation per retry; a
+//     crash between the confirmation and the ack leaves the original to be
+//     delivered again beside the copy, and the inbox lets only one apply;
+//     and per-message expirations end only at the head of a queue, so a
+//     retry may come later than its backoff (never sooner), by at most
+//     RetryMaxDelay. When the copy cannot be published, the message waits
+//     in the process instead, in its place, and runs again there.
+//
+// Run declares each retry queue: a quorum queue (replicated) that
+// dead-letters expired copies to the queue through the default exchange
+// with the at-least-once strategy (RabbitMQ drops a copy only once the
+// queue confirmed it; by default dead-lettering is at most once), which
+// needs the reject-publish overflow. One that exists with other arguments
+// fails Run, naming it. Keep RetryMaxDelay under RabbitMQ's
+// consumer_timeout (30 minutes by default) all the same: a message held
+// longer by a slow handler closes its channel.
 //
 // # Attempts across crashes: use quorum queues
 //
-// Attempts within one delivery are counted in the process. Attempts that
-// end with the process (os.Exit, the OOM killer, a panic in a goroutine the
+// Attempts that fail are counted in the retry copies (HeaderAttempts).
+// Attempts that end with the process (os.Exit, the OOM killer, a panic in a goroutine the
 // handler started) or with its connection are counted by the queue: a
 // quorum queue's x-delivery-count header (and, from RabbitMQ 4.3, whose
 // x-delivery-count counts only returns taken for failures, its
@@ -122,9 +144,10 @@
 //
 // # What is not guaranteed
 //
-// Order: messages run Concurrency at a time, and a retried message runs
-// after later ones. A graceful stop finishes the attempts in progress and
-// hands back the messages waiting for a retry (their next delivery counts
-// as an attempt); a delivery abandoned at ShutdownTimeout counts as one
-// too.
+// Order: messages run Concurrency at a time per queue, and a retried
+// message runs after later ones. A message that dies with the process
+// while running beside the one that killed it (Concurrency above 1) is
+// counted a death too, as in package natsconsumer; Concurrency 1 blames
+// only the killer. A graceful stop finishes the attempts in progress; a
+// delivery abandoned at ShutdownTimeout counts as an attempt.
 package rabbitconsumer

@@ -64,6 +64,15 @@ const (
 	DefaultMaxAttempts = consumer.DefaultMaxAttempts
 )
 
+// HeaderAttempts is set on a retry's copy: the attempts the message has
+// spent before it, decimal. It is not copied to a dead letter (whose
+// oncely-dlq-attempts header says the same).
+const HeaderAttempts = "oncely-attempts"
+
+// DefaultRetryQueue is Config.RetryQueue when it is nil: the queue's name
+// followed by ".retry".
+func DefaultRetryQueue(queue string) string { return queue + ".retry" }
+
 // DefaultDeadLetterRoutingKey is Config.DeadLetterRoutingKey when it is nil:
 // the queue's name followed by ".dlq". With the default exchange (the
 // default DeadLetterExchange, "") it names the dead-letter queue itself.
@@ -112,17 +121,25 @@ type Config struct {
 	// it. Default 10.
 	MaxAttempts int
 	// RetryBaseDelay and RetryMaxDelay bound the backoff between attempts
-	// (exponential, full jitter). A message waiting for its next attempt
-	// stays unacknowledged and holds one of Prefetch's places, not one of
-	// Concurrency's. Defaults 100ms and 30s.
+	// (exponential, full jitter). Defaults 100ms and 30s.
 	RetryBaseDelay, RetryMaxDelay time.Duration
-	// Concurrency is how many messages run at once, each in its own
-	// transaction, across all Queues. Default 1.
+	// RetryQueue names the queue in which a queue's failed messages wait
+	// for their next attempt: a copy is published to it with the backoff
+	// as its expiration, and dead-lettered back to the queue when it
+	// expires. Run declares it (a quorum queue without consumers that
+	// dead-letters to the queue, at least once, through the default
+	// exchange); one that exists with other arguments fails Run. Default
+	// DefaultRetryQueue.
+	RetryQueue func(queue string) string
+	// Concurrency is how many messages of each queue run at once, each in
+	// its own transaction. Default 1.
 	Concurrency int
 	// Prefetch is the most unacknowledged messages RabbitMQ hands over per
-	// queue (basic.qos): those running, those waiting for a retry and
-	// those waiting for a place. Default 4×Concurrency; at least
-	// Concurrency.
+	// queue (basic.qos). Default Concurrency: every message delivered runs
+	// at once. More saves a round trip per message where the network is
+	// slow, but a message that waits for a place when the process dies is
+	// counted as delivered like the ones that ran (a quorum queue counts
+	// deliveries, not runs), towards its MaxAttempts. At least Concurrency.
 	Prefetch int
 	// DeadLetterExchange is the exchange dead letters are published to.
 	// Default "": the default exchange, which routes a routing key to the
@@ -175,7 +192,7 @@ type Consumer struct {
 func New(cfg Config) (*Consumer, error) {
 	cfg.MaxAttempts = cmp.Or(cfg.MaxAttempts, DefaultMaxAttempts)
 	cfg.Concurrency = cmp.Or(cfg.Concurrency, DefaultConcurrency)
-	cfg.Prefetch = cmp.Or(cfg.Prefetch, 4*cfg.Concurrency)
+	cfg.Prefetch = cmp.Or(cfg.Prefetch, cfg.Concurrency)
 	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, 30*time.Second)
 	cfg.ReconnectMaxDelay = cmp.Or(cfg.ReconnectMaxDelay, 5*time.Second)
 	cfg.RetryBaseDelay = cmp.Or(cfg.RetryBaseDelay, 100*time.Millisecond)
@@ -183,6 +200,9 @@ func New(cfg Config) (*Consumer, error) {
 	cfg.MessageIDHeader = cmp.Or(cfg.MessageIDHeader, dlq.HeaderMessageIDDefault)
 	if cfg.DeadLetterRoutingKey == nil {
 		cfg.DeadLetterRoutingKey = DefaultDeadLetterRoutingKey
+	}
+	if cfg.RetryQueue == nil {
+		cfg.RetryQueue = DefaultRetryQueue
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
@@ -220,6 +240,9 @@ func New(cfg Config) (*Consumer, error) {
 		}
 		if k := cfg.DeadLetterRoutingKey(q); cfg.DeadLetterExchange == "" && (k == q || k == "") {
 			return nil, invalid("DeadLetterRoutingKey", "queue %q: the dead letters would go to %q", q, k)
+		}
+		if k := cfg.RetryQueue(q); k == "" || len(k) > 255 || slices.Contains(cfg.Queues, k) || k == cfg.DeadLetterRoutingKey(q) {
+			return nil, invalid("RetryQueue", "queue %q: the retries would wait in %q", q, k)
 		}
 	}
 	idHeader := cfg.MessageIDHeader
@@ -320,7 +343,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return errors.New("rabbitconsumer: Run is already running")
 	}
 	defer c.running.Store(false)
-	r := &run{c: c, hooks: testhook.ConsumerFrom(ctx), slots: make(chan struct{}, c.cfg.Concurrency)}
+	r := &run{c: c, hooks: testhook.ConsumerFrom(ctx), slots: map[string]chan struct{}{}}
+	for _, q := range c.cfg.Queues {
+		r.slots[q] = make(chan struct{}, c.cfg.Concurrency)
+	}
 	// In-progress messages survive ctx, for the drain; workCtx ends them.
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
@@ -367,7 +393,7 @@ type run struct {
 	// fail stops Run, which returns its error: a simulated crash, or a
 	// start-up check that failed.
 	fail  context.CancelCauseFunc
-	slots chan struct{} // Concurrency: a place per running attempt
+	slots map[string]chan struct{} // per queue, Concurrency places: one per running attempt
 	wg    sync.WaitGroup
 
 	// checked: a session's start-up checks passed once; a check failing
@@ -517,11 +543,12 @@ func (r *run) session(ctx context.Context) error {
 	return fmt.Errorf("rabbitconsumer: connection or channel closed: %w", closed)
 }
 
-// check declares each queue and the dead-letter destination passively, on
-// a channel of its own (a failed passive declaration closes its channel).
+// check declares each queue and the dead-letter destination passively, and
+// each retry queue, each on a channel of its own (a failed declaration
+// closes its channel).
 func (r *run) check(conn *amqp.Connection) error {
 	c := r.c
-	passive := func(what string, declare func(*amqp.Channel) error) error {
+	declare := func(what string, declare func(*amqp.Channel) error) error {
 		ch, err := conn.Channel()
 		if err != nil {
 			return fmt.Errorf("rabbitconsumer: open channel: %w", err)
@@ -529,16 +556,26 @@ func (r *run) check(conn *amqp.Connection) error {
 		defer func() { _ = ch.Close() }()
 		if err := declare(ch); err != nil {
 			var ae *amqp.Error
-			if errors.As(err, &ae) && ae.Code == amqp.NotFound {
+			switch {
+			case errors.As(err, &ae) && ae.Code == amqp.NotFound:
 				return startupError{fmt.Errorf("rabbitconsumer: %s does not exist: %w", what, err)}
+			case errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed:
+				return startupError{fmt.Errorf("rabbitconsumer: %s exists with other arguments: %w", what, err)}
 			}
 			return fmt.Errorf("rabbitconsumer: %s: %w", what, err)
 		}
 		return nil
 	}
 	for _, q := range c.cfg.Queues {
-		if err := passive(fmt.Sprintf("queue %q (Queues)", q), func(ch *amqp.Channel) error {
+		if err := declare(fmt.Sprintf("queue %q (Queues)", q), func(ch *amqp.Channel) error {
 			_, err := ch.QueueDeclarePassive(q, true, false, false, false, nil)
+			return err
+		}); err != nil {
+			return err
+		}
+		rq := c.cfg.RetryQueue(q)
+		if err := declare(fmt.Sprintf("retry queue %q (RetryQueue of queue %q)", rq, q), func(ch *amqp.Channel) error {
+			_, err := ch.QueueDeclare(rq, true, false, false, false, retryQueueArgs(q))
 			return err
 		}); err != nil {
 			return err
@@ -547,7 +584,7 @@ func (r *run) check(conn *amqp.Connection) error {
 			continue
 		}
 		dq := c.cfg.DeadLetterRoutingKey(q)
-		if err := passive(fmt.Sprintf("dead-letter queue %q (DeadLetterRoutingKey of queue %q)", dq, q), func(ch *amqp.Channel) error {
+		if err := declare(fmt.Sprintf("dead-letter queue %q (DeadLetterRoutingKey of queue %q)", dq, q), func(ch *amqp.Channel) error {
 			_, err := ch.QueueDeclarePassive(dq, true, false, false, false, nil)
 			return err
 		}); err != nil {
@@ -555,11 +592,23 @@ func (r *run) check(conn *amqp.Connection) error {
 		}
 	}
 	if x := c.cfg.DeadLetterExchange; x != "" {
-		return passive(fmt.Sprintf("dead-letter exchange %q (DeadLetterExchange)", x), func(ch *amqp.Channel) error {
+		return declare(fmt.Sprintf("dead-letter exchange %q (DeadLetterExchange)", x), func(ch *amqp.Channel) error {
 			return ch.ExchangeDeclarePassive(x, "direct", true, false, false, false, nil)
 		})
 	}
 	return nil
+}
+
+// retryQueueArgs are the arguments of queue's retry queue: a quorum queue
+// (replicated, like the queues it serves) that dead-letters an expired copy
+// back to queue through the default exchange at least once (RabbitMQ
+// confirms it into queue before it drops it here, which needs the
+// reject-publish overflow).
+func retryQueueArgs(queue string) amqp.Table {
+	return amqp.Table{
+		"x-queue-type": "quorum", "x-dead-letter-exchange": "", "x-dead-letter-routing-key": queue,
+		"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish",
+	}
 }
 
 // session is one connection's channels.
@@ -574,18 +623,19 @@ type session struct {
 // Concurrency.
 func (s *session) handle(queue string, d amqp.Delivery) {
 	r := s.r
+	slots := r.slots[queue]
 	select {
-	case r.slots <- struct{}{}:
+	case slots <- struct{}{}:
 	case <-s.lost:
 		return // unacknowledged: it comes again on the next connection
 	case <-r.ctx.Done():
 		return
 	}
-	src := &source{s: s, d: &d, queue: queue, held: true}
-	defer src.release()
+	defer func() { <-slots }()
+	src := &source{s: s, d: &d, queue: queue}
 	defer src.DatabaseDown(false)
 	rec := record(queue, &d)
-	src.spent = src.deliveryCount()
+	src.spent = src.retried() + src.deliveryCount()
 	ctx := consumer.WithSpanAttributes(r.workCtx, telemetry.MessagingRabbitMQRoutingKey.String(d.RoutingKey),
 		telemetry.MessagingRabbitMQDeliveryTag.Int64(int64(d.DeliveryTag)))
 	r.c.path.Deliver(ctx, rec, src)
@@ -626,17 +676,19 @@ type source struct {
 	d     *amqp.Delivery
 	queue string
 	spent int
-	held  bool // holds a place of Concurrency
 	// dbDown: the database did not answer the last attempt (counted in
 	// Consumer.dbWaits).
 	dbDown bool
 }
 
-func (s *source) release() {
-	if s.held {
-		<-s.s.r.slots
-		s.held = false
+// retried is the HeaderAttempts of a retry's copy: the attempts spent
+// before it was published.
+func (s *source) retried() int {
+	n, err := strconv.Atoi(string(headerBytes(s.d.Headers[HeaderAttempts])))
+	if err != nil || n < 0 {
+		return 0
 	}
+	return n
 }
 
 // deliveryCount is the quorum queue's count of d's earlier deliveries
@@ -670,8 +722,10 @@ func (s *source) deliveryCount() int {
 	return n
 }
 
-// Spent: the deliveries before this one that reached no verdict, each an
-// attempt (a quorum queue's count; 0 on a classic queue).
+// Spent: the attempts of the retries before this copy (HeaderAttempts),
+// and the deliveries of this copy before this one, which reached no
+// verdict, each an attempt (a quorum queue's count; none on a classic
+// queue).
 func (s *source) Spent() int { return s.spent }
 
 // wait waits d; false once the connection is lost or the drain gives up.
@@ -691,24 +745,57 @@ func (s *source) wait(d time.Duration, stop <-chan struct{}) bool {
 // Pause waits d in its place (contention, or the database unreachable).
 func (s *source) Pause(d time.Duration) bool { return s.wait(d, nil) }
 
-// Retry waits delay outside its place of Concurrency, so that other
-// messages run meanwhile, and takes a place again: the message stays
-// unacknowledged here, holding one of Prefetch's places. It reports false
-// (the message comes again, with a higher delivery count) when the
-// connection is lost or Run stops first.
-func (s *source) Retry(_ context.Context, delay time.Duration) bool {
-	s.release()
-	if !s.wait(delay, s.s.r.ctx.Done()) {
-		return false
+// Retry hands the message back for its next attempt after delay: a copy
+// (HeaderAttempts the attempts spent) is published to the queue's
+// RetryQueue with delay as its expiration, RabbitMQ dead-letters it back to
+// the queue when it expires, and the original is acknowledged once the
+// copy is confirmed. Meanwhile the message holds no place: the queue flows.
+// When the copy cannot be published, the message waits here instead, in
+// its place, and runs again (true).
+func (s *source) Retry(ctx context.Context, delay time.Duration) bool {
+	c := s.s.r.c
+	rq := c.cfg.RetryQueue(s.queue)
+	pctx, cancel := context.WithTimeout(ctx, brokersource.PublishTimeout)
+	err := s.s.pub.publish(pctx, "", rq, s.retryCopy(delay))
+	cancel()
+	if err != nil {
+		c.outage.Warn(ctx, "oncely rabbitmq retry publish failed; the message waits in the process", "queue", s.queue,
+			"retry_queue", rq, "err", err)
+		return s.wait(delay, s.s.r.ctx.Done())
 	}
-	select {
-	case s.s.r.slots <- struct{}{}:
-		s.held = true
-		return true
-	case <-s.s.lost:
-	case <-s.s.r.ctx.Done():
+	if err := s.d.Ack(false); err != nil {
+		// The copy is stored: the original comes again as well, and the
+		// inbox lets one of the two apply.
+		c.cfg.Logger.Warn("oncely rabbitmq ack after the retry's copy failed; the message comes again too",
+			"queue", s.queue, "delivery_tag", s.d.DeliveryTag, "err", err)
 	}
 	return false
+}
+
+// retryCopy is the message again, with HeaderAttempts the attempts spent
+// (this one included) and the expiration delay (which RabbitMQ removes when
+// it dead-letters the copy back).
+func (s *source) retryCopy(delay time.Duration) amqp.Publishing {
+	headers := amqp.Table{}
+	maps.Copy(headers, s.d.Headers)
+	delete(headers, DeliveryCountHeader) // this copy's deliveries are counted afresh
+	delete(headers, AcquiredCountHeader)
+	headers[HeaderAttempts] = strconv.Itoa(s.spent + 1)
+	msg := s.again(headers)
+	msg.Expiration = strconv.FormatInt(max(delay.Milliseconds(), 0), 10)
+	return msg
+}
+
+// again is the delivery as a persistent message with headers: its body and
+// properties, not its expiration, nor its user id (which RabbitMQ checks
+// against the publishing connection's user).
+func (s *source) again(headers amqp.Table) amqp.Publishing {
+	d := s.d
+	return amqp.Publishing{
+		Headers: headers, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
+		DeliveryMode: amqp.Persistent, Priority: d.Priority, CorrelationId: d.CorrelationId, ReplyTo: d.ReplyTo,
+		MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type, AppId: d.AppId, Body: d.Body,
+	}
 }
 
 // DatabaseDown counts the delivery among those waiting for the database
@@ -762,10 +849,9 @@ func (s *source) PublishDeadLetter(ctx context.Context, rec *kgo.Record, info *d
 		"exchange", exchange, "routing_key", key)
 }
 
-// deadLetter is the AMQP message of a dead-letter record: the delivery's
-// properties (not its expiration, nor its user id, which RabbitMQ checks
-// against the publishing connection's user), out's headers with their
-// original AMQP types where unchanged, and the provenance headers.
+// deadLetter is the AMQP message of a dead-letter record: the delivery
+// again, with out's headers (their original AMQP types where unchanged) and
+// the provenance headers.
 func (s *source) deadLetter(out *kgo.Record) amqp.Publishing {
 	d := s.d
 	headers := amqp.Table{}
@@ -778,15 +864,12 @@ func (s *source) deadLetter(out *kgo.Record) amqp.Publishing {
 	}
 	delete(headers, DeliveryCountHeader) // the dead-letter queue counts its own deliveries
 	delete(headers, AcquiredCountHeader)
+	delete(headers, HeaderAttempts) // oncely-dlq-attempts says it
 	headers[HeaderQueue] = s.queue
 	headers[HeaderExchange] = d.Exchange
 	headers[HeaderRoutingKey] = d.RoutingKey
 	headers[HeaderDeliveryTag] = strconv.FormatUint(d.DeliveryTag, 10)
 	headers[HeaderRedelivered] = strconv.FormatBool(d.Redelivered)
-	headers[HeaderDeliveryCount] = strconv.Itoa(s.spent)
-	return amqp.Publishing{
-		Headers: headers, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
-		DeliveryMode: amqp.Persistent, Priority: d.Priority, CorrelationId: d.CorrelationId, ReplyTo: d.ReplyTo,
-		MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type, AppId: d.AppId, Body: d.Body,
-	}
+	headers[HeaderDeliveryCount] = strconv.Itoa(s.deliveryCount())
+	return s.again(headers)
 }
