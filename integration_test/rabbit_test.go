@@ -718,6 +718,7 @@ const (
 	rabbitDieAfterCommit     = "after-commit"      // AfterCommit: committed, not acknowledged
 	rabbitDieAfterDeadLetter = "after-dead-letter" // AfterDeadLetter: the handler's error is permanent
 	rabbitDieInHandler       = "in-handler"        // the handler exits: nothing finishes
+	rabbitDieAfterRetryCopy  = "after-retry-copy"  // AfterRetryCopy: the handler fails, its copy is stored, the original not acknowledged
 )
 
 // TestRabbitChildWorker is the child process's body; it is skipped in an
@@ -753,6 +754,11 @@ func TestRabbitChildWorker(t *testing.T) {
 		handler = func(context.Context, pgx.Tx, *consumer.Message) error { return dlq.Permanent(errors.New("refused")) }
 	case rabbitDieInHandler:
 		handler = func(context.Context, pgx.Tx, *consumer.Message) error { os.Exit(rabbitExitCode); return nil }
+	case rabbitDieAfterRetryCopy:
+		hooks.AfterRetryCopy = die
+		handler = func(context.Context, pgx.Tx, *consumer.Message) error {
+			return errors.New("payment service unavailable")
+		}
 	}
 	c, err := rabbitconsumer.New(rabbitconsumer.Config{URL: rabbitURL, Queues: []string{f[2]}, Group: "workers",
 		Pool: pool, Schema: f[1], Handler: handler, MaxAttempts: maxAttempts})
@@ -827,6 +833,36 @@ func TestRabbitCrashMidHandler(t *testing.T) {
 	}
 	if got := attempt.Load(); got != 2 {
 		t.Fatalf("the redelivery ran as attempt %d, want 2", got)
+	}
+}
+
+// The process dies after a failed message's retry copy was confirmed and
+// before the original was acknowledged: both come to the next process, and
+// the inbox lets only one of them apply.
+func TestRabbitCrashBetweenRetryCopyAndAck(t *testing.T) {
+	e := newRabbitEnv(t)
+	e.publish(e.queue, "order", "order-1", nil)
+	e.crashChild(consumer.DefaultMaxAttempts, rabbitDieAfterRetryCopy)
+	var mu sync.Mutex
+	var attempts []int
+	r := e.start(t.Context(), e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		mu.Lock()
+		attempts = append(attempts, msg.Attempt)
+		mu.Unlock()
+		return sourceEffect("second")(ctx, tx, msg)
+	}))
+	testenv.Eventually(t, 30*time.Second, "the original and the copy settled", func() bool {
+		st := r.c.Stats()
+		return st.Processed == 1 && st.Duplicates == 1
+	})
+	r.stop(t)
+	e.empty(e.queue)
+	e.empty(rabbitconsumer.DefaultRetryQueue(e.queue))
+	e.effects(1)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(attempts) == 0 || attempts[0] != 2 {
+		t.Errorf("attempts %v, want the first to be attempt 2 (the crashed process's failure counted)", attempts)
 	}
 }
 

@@ -632,9 +632,9 @@ func (s *session) handle(queue string, d amqp.Delivery) {
 		return
 	}
 	defer func() { <-slots }()
-	src := &source{s: s, d: &d, queue: queue}
-	defer src.DatabaseDown(false)
 	rec := record(queue, &d)
+	src := &source{s: s, d: &d, rec: rec, queue: queue}
+	defer src.DatabaseDown(false)
 	src.spent = src.retried() + src.deliveryCount()
 	ctx := consumer.WithSpanAttributes(r.workCtx, telemetry.MessagingRabbitMQRoutingKey.String(d.RoutingKey),
 		telemetry.MessagingRabbitMQDeliveryTag.Int64(int64(d.DeliveryTag)))
@@ -674,6 +674,7 @@ func headerBytes(v any) []byte {
 type source struct {
 	s     *session
 	d     *amqp.Delivery
+	rec   *kgo.Record // d as the record path sees it
 	queue string
 	spent int
 	// dbDown: the database did not answer the last attempt (counted in
@@ -753,7 +754,7 @@ func (s *source) Pause(d time.Duration) bool { return s.wait(d, nil) }
 // When the copy cannot be published, the message waits here instead, in
 // its place, and runs again (true).
 func (s *source) Retry(ctx context.Context, delay time.Duration) bool {
-	c := s.s.r.c
+	c, r := s.s.r.c, s.s.r
 	rq := c.cfg.RetryQueue(s.queue)
 	pctx, cancel := context.WithTimeout(ctx, brokersource.PublishTimeout)
 	err := s.s.pub.publish(pctx, "", rq, s.retryCopy(delay))
@@ -762,6 +763,12 @@ func (s *source) Retry(ctx context.Context, delay time.Duration) bool {
 		c.outage.Warn(ctx, "oncely rabbitmq retry publish failed; the message waits in the process", "queue", s.queue,
 			"retry_queue", rq, "err", err)
 		return s.wait(delay, s.s.r.ctx.Done())
+	}
+	if h := r.hooks.AfterRetryCopy; h != nil {
+		if err := h(s.rec); errors.Is(err, testhook.ErrCrash) {
+			r.fail(fmt.Errorf("rabbitconsumer: %w", err))
+			return false
+		}
 	}
 	if err := s.d.Ack(false); err != nil {
 		// The copy is stored: the original comes again as well, and the
