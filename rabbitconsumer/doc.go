@@ -90,26 +90,28 @@
 // # Attempts across crashes: use quorum queues
 //
 // Attempts that fail are counted in the retry copies (HeaderAttempts).
-// Attempts that end with the process (os.Exit, the OOM killer, a panic in a goroutine the
-// handler started) or with its connection are counted by the queue: a
-// quorum queue's x-delivery-count header (and, from RabbitMQ 4.3, whose
-// x-delivery-count counts only returns taken for failures, its
-// x-acquired-count header: the larger is taken) says how many times the
-// message was delivered before, and each such delivery counts as an
-// attempt (Source.Spent): the consumer never hands a message back itself,
-// so an earlier delivery is one that ended without a verdict. A delivery that comes after MaxAttempts of them is
-// dead-lettered as class crash_loop without running, unless the inbox
-// shows it finished (processed, or dead-lettered) and only its ack was lost.
-// A classic queue counts nothing (only the redelivered flag): there a
-// message that kills every process is delivered again without limit, and
-// the consumer warns once per queue when it sees a redelivery without the
-// header. Consume quorum queues (x-queue-type quorum); a quorum queue's
-// delivery-limit argument is a further broker-side backstop.
+// Attempts that end with the process (os.Exit, the OOM killer, a panic in
+// a goroutine the handler started) or with its connection are counted by
+// the queue: a quorum queue's x-delivery-count header says how many times
+// the message was delivered before (from RabbitMQ 4.3, whose
+// x-delivery-count counts only the returns taken for failures, so does its
+// x-acquired-count header: the larger is taken). Each such delivery counts
+// as an attempt (Source.Spent): the consumer never returns a message to
+// its queue itself, so an earlier delivery is one that ended without a
+// verdict. A delivery that comes after MaxAttempts of them is dead-lettered
+// as class crash_loop without running, unless the inbox shows it finished
+// (processed, or dead-lettered) and only its ack was lost. A classic queue
+// counts nothing (only the redelivered flag): there a message that kills
+// every process is delivered again without limit, and the consumer warns
+// once per queue when it sees a redelivery without the header. Consume
+// quorum queues (x-queue-type quorum); a quorum queue's delivery-limit
+// argument is a further broker-side backstop.
 //
 // # Connections
 //
 // The Consumer owns its connection (Config.URL, or Config.Dial): one
-// channel consumes every queue, one in confirm mode publishes dead letters.
+// channel consumes every queue, one in confirm mode publishes retry copies
+// and dead letters.
 // When the connection or a channel closes, the unacknowledged messages go
 // back to their queues (RabbitMQ's doing) and the Consumer dials again with
 // backoff (up to ReconnectMaxDelay), checks the queues again and resumes;
@@ -117,8 +119,8 @@
 // at the loss finish their transactions; their acks fail, and the
 // redeliveries are recognised by the inbox. Run fails at start-up, naming
 // what is missing, when the inbox table is not migrated
-// (consumer.ErrNotMigrated), a queue does not exist, or the dead-letter
-// destination does not exist (the dead-letter queue, or DeadLetterExchange
+// (consumer.ErrNotMigrated), a queue does not exist, a retry queue exists
+// with other arguments, or the dead-letter destination does not exist (the dead-letter queue, or DeadLetterExchange
 // when set; whether a queue is bound to it shows only at the first dead
 // letter, which is mandatory and waits until one is). RabbitMQ unreachable
 // at start-up is waited for.
