@@ -554,8 +554,9 @@ func TestRabbitTraceContext(t *testing.T) {
 	}
 }
 
-// Run fails at start-up, naming what is missing: a queue, the dead-letter
-// queue, the dead-letter exchange, the migrated schema. A dead letter that
+// Run fails at start-up, naming what is missing or wrong: a queue, the
+// dead-letter queue, the dead-letter exchange, a retry queue declared with
+// other arguments, the migrated schema. A dead letter that
 // could never be published would make its message wait for ever.
 func TestRabbitStartupChecks(t *testing.T) {
 	e := newRabbitEnv(t)
@@ -569,6 +570,13 @@ func TestRabbitStartupChecks(t *testing.T) {
 		"DeadLetterRoutingKey": func() rabbitconsumer.Config {
 			cfg := e.config(sourceEffect("a"))
 			cfg.DeadLetterRoutingKey = func(q string) string { return q + ".nowhere" }
+			return cfg
+		}(),
+		"RetryQueue": func() rabbitconsumer.Config {
+			cfg := e.config(sourceEffect("a"))
+			wrong := e.queue + ".plain"
+			e.declareQueue(wrong) // without the retry queue's dead-lettering
+			cfg.RetryQueue = func(string) string { return wrong }
 			return cfg
 		}(),
 		"DeadLetterExchange": func() rabbitconsumer.Config {
