@@ -4,6 +4,8 @@ import (
 	"errors"
 	"strings"
 	"testing"
+
+	"github.com/twmb/franz-go/pkg/kgo"
 )
 
 // Each invalid setting fails New with ErrInvalidConfig and the field's name.
@@ -34,5 +36,21 @@ func TestNewNamesTheInvalidField(t *testing.T) {
 		if !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), field) {
 			t.Errorf("%s: got %v, want ErrInvalidConfig naming %s", field, err, field)
 		}
+	}
+}
+
+// The Publisher parks a row whose topic cannot be a routing key, and
+// retries every other failure.
+func TestPublisherRefusesLongRoutingKeys(t *testing.T) {
+	p := &Publisher{URL: "amqp://guest:guest@127.0.0.1:5672/"}
+	err := p.Refuse(&kgo.Record{Topic: strings.Repeat("k", 256)})
+	if !errors.Is(err, ErrBadRoutingKey) || !p.Permanent(err) {
+		t.Errorf("a 256-byte topic: %v, permanent %v; want ErrBadRoutingKey, permanent", err, p.Permanent(err))
+	}
+	if err := p.Refuse(&kgo.Record{Topic: strings.Repeat("k", 255)}); err != nil {
+		t.Errorf("a 255-byte topic: %v", err)
+	}
+	if p.Permanent(ErrUnroutable) || p.Permanent(ErrNotConfirmed) {
+		t.Error("an unroutable or unconfirmed publish is permanent; it should be retried")
 	}
 }
