@@ -489,7 +489,7 @@ func TestNATSDeadLettersRedriveOnce(t *testing.T) {
 		if string(msg.Value) == "bad" && !fixed.Load() {
 			return dlq.Permanent(errors.New("order has no id"))
 		}
-		return natsEffect("w")(ctx, tx, msg)
+		return sourceEffect("w")(ctx, tx, msg)
 	}))
 	e.deadLetters(1)
 	e.settled()
@@ -576,7 +576,7 @@ func TestNATSCLIDeadLetters(t *testing.T) {
 		if !fixed.Load() {
 			return dlq.Permanent(errors.New("rejected by v1"))
 		}
-		return natsEffect("w")(ctx, tx, msg)
+		return sourceEffect("w")(ctx, tx, msg)
 	}))
 	e.deadLetters(1)
 	e.settled()
