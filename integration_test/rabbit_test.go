@@ -1315,3 +1315,77 @@ func TestRabbitCLIDeadLetters(t *testing.T) {
 	e.empty(e.queue)
 	e.effects(1)
 }
+
+// A listing keeps the queue's order, on a classic dead-letter queue (a
+// message given back returns to its place) as on a quorum one (the
+// messages given back come first, in the order given back): a second
+// listing names the same messages at the same positions, a dead letter
+// that came while the first was open follows them, and after a redrive
+// removed one the others keep their order, the later ones a position
+// earlier. The redriven copy in the source queue carries the message id,
+// the redrive header naming the listing's ref, and no oncely-dlq-* header.
+func TestRabbitDeadLetterListingOrder(t *testing.T) {
+	for _, kind := range []string{"classic", "quorum"} {
+		t.Run(kind, func(t *testing.T) {
+			e := newRabbitEnv(t)
+			ctx := t.Context()
+			dq := testenv.UniqueName("oncely-rabbit-" + kind + ".dlq")
+			if _, err := e.channel().QueueDeclare(dq, true, false, false, false, amqp.Table{"x-queue-type": kind}); err != nil {
+				t.Fatal(err)
+			}
+			e.deleteAtEnd(dq)
+			e.dlq = dq
+			deadLetter := func(id string) {
+				now := time.Now()
+				info := dlq.Info{Topic: e.queue, Group: "workers", MessageID: id, Attempts: 1, FirstFailure: now, LastFailure: now,
+					Class: dlq.ClassPermanent, Error: "rejected", Timestamp: now}
+				h := amqp.Table{rabbitconsumer.HeaderQueue: e.queue}
+				for _, x := range info.Headers() {
+					h[x.Key] = string(x.Value)
+				}
+				e.publish(dq, "body of "+id, id, h)
+			}
+			for _, id := range []string{"m0", "m1", "m2", "m3", "m4"} {
+				deadLetter(id)
+			}
+			want := []string{"m0", "m1", "m2", "m3", "m4"}
+			if ids, refs := e.deadLetterIDs(); !slices.Equal(ids, want) || refs[4] != dq+"/0/4" {
+				t.Fatalf("listing: %q at %q, want %q at 0 to 4", ids, refs, want)
+			}
+			e.settledIn(dq, 5)
+			q := e.openDLQ()
+			all, err := q.Entries(ctx, dlq.Filter{})
+			if err != nil || len(all) != 5 {
+				t.Fatalf("second listing: %d entries, %v", len(all), err)
+			}
+			deadLetter("m5") // while the listing holds the others
+			for i, en := range all {
+				if en.Info.MessageID != want[i] || en.Ref() != fmt.Sprintf("%s/0/%d", dq, i) {
+					t.Fatalf("second listing: %s at %s, want %s at 0/%d", en.Info.MessageID, en.Ref(), want[i], i)
+				}
+			}
+			res, err := q.Redrive(ctx, all[2:3], dlq.RedriveOptions{Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool})
+			if err != nil || len(res) != 1 || res[0].Action != dlq.Redriven {
+				t.Fatalf("redrive m2: %+v, %v", res, err)
+			}
+			if err := q.Close(); err != nil {
+				t.Fatal(err)
+			}
+			e.settledIn(dq, 5)
+			if ids, _ := e.deadLetterIDs(); !slices.Equal(ids, []string{"m0", "m1", "m3", "m4", "m5"}) {
+				t.Fatalf("listing after the redrive: %q, want m0 m1 m3 m4 m5", ids)
+			}
+			copies := e.take(e.queue, 1)
+			c := copies[0]
+			if c.MessageId != "m2" || string(c.Body) != "body of m2" || amqpHeader(c, dlq.HeaderRedrive) != dq+"/0/2" ||
+				amqpHeader(c, dlq.HeaderMessageIDDefault) != "m2" || c.DeliveryMode != amqp.Persistent {
+				t.Fatalf("redriven copy: message id %q, body %q, headers %v", c.MessageId, c.Body, c.Headers)
+			}
+			for k := range c.Headers {
+				if strings.HasPrefix(k, dlq.Prefix) {
+					t.Errorf("redriven copy keeps header %s", k)
+				}
+			}
+		})
+	}
+}

@@ -167,7 +167,10 @@
 // given back returns to its place; on a quorum queue (RabbitMQ 3.x) the
 // messages given back are delivered before the others, in the order they
 // were returned, which is the listing's order: both keep the order of a
-// listing for the next, and dead letters published meanwhile follow. An
+// listing for the next, and dead letters published meanwhile follow (the
+// integration tests check both kinds). A broker that put the messages
+// given back behind the others would keep their order too, but dead
+// letters that came during a listing would then precede them. An
 // entry's ref (its Record.Offset) is its position in the listing, from 0:
 // "<queue>/0/<position>", and `--ref 0/<position>` names it only against
 // a listing of the same messages: a redrive that removed some, or another
