@@ -1316,6 +1316,21 @@ func TestRabbitCLIDeadLetters(t *testing.T) {
 	e.effects(1)
 }
 
+// publishDeadLetter publishes to queue a dead letter of the test's queue
+// (group workers, class permanent) with message id id and body "body of
+// id", as the consumer would.
+func (e *rabbitEnv) publishDeadLetter(queue, id string) {
+	e.t.Helper()
+	now := time.Now()
+	info := dlq.Info{Topic: e.queue, Group: "workers", MessageID: id, Attempts: 1, FirstFailure: now, LastFailure: now,
+		Class: dlq.ClassPermanent, Error: "rejected", Timestamp: now}
+	h := amqp.Table{rabbitconsumer.HeaderQueue: e.queue}
+	for _, x := range info.Headers() {
+		h[x.Key] = string(x.Value)
+	}
+	e.publish(queue, "body of "+id, id, h)
+}
+
 // A listing keeps the queue's order, on a classic dead-letter queue (a
 // message given back returns to its place) as on a quorum one (the
 // messages given back come first, in the order given back): a second
@@ -1335,16 +1350,7 @@ func TestRabbitDeadLetterListingOrder(t *testing.T) {
 			}
 			e.deleteAtEnd(dq)
 			e.dlq = dq
-			deadLetter := func(id string) {
-				now := time.Now()
-				info := dlq.Info{Topic: e.queue, Group: "workers", MessageID: id, Attempts: 1, FirstFailure: now, LastFailure: now,
-					Class: dlq.ClassPermanent, Error: "rejected", Timestamp: now}
-				h := amqp.Table{rabbitconsumer.HeaderQueue: e.queue}
-				for _, x := range info.Headers() {
-					h[x.Key] = string(x.Value)
-				}
-				e.publish(dq, "body of "+id, id, h)
-			}
+			deadLetter := func(id string) { e.publishDeadLetter(dq, id) }
 			for _, id := range []string{"m0", "m1", "m2", "m3", "m4"} {
 				deadLetter(id)
 			}
@@ -1388,4 +1394,33 @@ func TestRabbitDeadLetterListingOrder(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A redrive to a queue that does not exist (RabbitMQ returns the mandatory
+// copy) fails naming it, revokes its grant and removes nothing: the dead
+// letter is given back on Close.
+func TestRabbitRedriveUnroutableKeepsDeadLetter(t *testing.T) {
+	e := newRabbitEnv(t)
+	ctx := t.Context()
+	e.publishDeadLetter(e.dlq, "m0")
+	q := e.openDLQ()
+	all, err := q.Entries(ctx, dlq.Filter{RefuseInvalid: true})
+	if err != nil || len(all) != 1 {
+		t.Fatalf("dead letters: %d, %v", len(all), err)
+	}
+	missing := testenv.UniqueName("oncely-rabbit-missing")
+	res, err := q.Redrive(ctx, all, dlq.RedriveOptions{ToTopic: missing, Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool})
+	if !errors.Is(err, rabbitconsumer.ErrUnroutable) || !strings.Contains(err.Error(), missing) || len(res) != 0 {
+		t.Fatalf("redrive to a missing queue: %+v, %v; want ErrUnroutable naming %s", res, err, missing)
+	}
+	if n := e.count(`SELECT count(*) FROM redrive_grants`); n != 0 {
+		t.Errorf("%d grants left after the failed redrive, want 0", n)
+	}
+	if left, err := q.Entries(ctx, dlq.Filter{}); err != nil || len(left) != 1 {
+		t.Fatalf("the listing after the failed redrive: %d entries, %v; want the dead letter", len(left), err)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.settledIn(e.dlq, 1)
 }
