@@ -997,8 +997,8 @@ func (e *rabbitEnv) deadLetterIDs() (ids, refs []string) {
 	return ids, refs
 }
 
-// publishRecord publishes a message with rec's value and headers (as
-// strings) and message_id id to queue.
+// publishEntry publishes to queue a message with en's value, the headers
+// headerOf gives and message_id id.
 func (e *rabbitEnv) publishEntry(queue, id string, en *dlq.Entry, headerOf func(*dlq.Entry) amqp.Table) {
 	e.t.Helper()
 	e.publish(queue, string(en.Record.Value), id, headerOf(en))
