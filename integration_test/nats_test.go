@@ -290,7 +290,9 @@ func TestNATSTwoConsumersRaceOneEffect(t *testing.T) {
 	var cs []*natsconsumer.Consumer
 	for _, member := range []string{"a", "b"} {
 		_, js := e.ownJetStream()
-		c, _ := e.start(t.Context(), e.config(js, h(member)))
+		cfg := e.config(js, h(member))
+		cfg.FetchAhead = -1 // each process holds one message: the one it runs
+		c, _ := e.start(t.Context(), cfg)
 		cs = append(cs, c)
 	}
 	e.settled()

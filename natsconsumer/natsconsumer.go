@@ -48,6 +48,7 @@ const (
 	DefaultAckWait     = 30 * time.Second
 	DefaultConcurrency = 1
 	DefaultMaxAttempts = consumer.DefaultMaxAttempts
+	DefaultFetchAhead  = 32
 )
 
 // DefaultDeadLetterSubject is Config.DeadLetterSubject when it is nil: the
@@ -85,8 +86,7 @@ type Config struct {
 	// each new message runs under a savepoint of its own, so a failing
 	// message rolls back alone and, once the others committed, is retried
 	// (NakWithDelay) or dead-lettered on its own. After the COMMIT every
-	// message of the batch is acknowledged, the acks sent together and
-	// confirmed by one round trip. A batch takes the messages the stream
+	// message of the batch is acknowledged. A batch takes the messages the stream
 	// has ready; it never waits for more. Default 1: a transaction per
 	// message.
 	BatchSize int
@@ -115,9 +115,17 @@ type Config struct {
 	// InProgress every AckWait/3. Default 30s.
 	AckWait time.Duration
 	// Concurrency is how many messages (batches, in batch mode) run at
-	// once, each in its own transaction; the consumer's MaxAckPending is
-	// twice the messages that can be in flight. Default 1.
+	// once, each in its own transaction. The consumer's MaxAckPending is
+	// twice what the process may hold: Concurrency x BatchSize +
+	// FetchAhead. Default 1.
 	Concurrency int
+	// FetchAhead is how many messages, without batches, are fetched ahead
+	// of the Concurrency running ones, to wait for a free slot: a fetch is
+	// a round trip, and brings up to that many at once. A fetched message
+	// is kept from redelivery (InProgress) while it waits, and a graceful
+	// stop runs it; a crash counts a delivery for it as for the running
+	// ones. Default 32; negative: none.
+	FetchAhead int
 	// DeadLetterSubject names the subject a message's dead-letter copy is
 	// published to; a stream must capture it (Run fails at start-up when
 	// none captures the subject that the Stream's first subject maps to).
@@ -157,6 +165,10 @@ func New(cfg Config) (*Consumer, error) {
 	cfg.AckWait = cmp.Or(cfg.AckWait, DefaultAckWait)
 	cfg.Concurrency = cmp.Or(cfg.Concurrency, DefaultConcurrency)
 	cfg.BatchSize = cmp.Or(cfg.BatchSize, 1)
+	cfg.FetchAhead = cmp.Or(cfg.FetchAhead, DefaultFetchAhead)
+	if cfg.FetchAhead < 0 || cfg.BatchSize > 1 {
+		cfg.FetchAhead = 0
+	}
 	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, 30*time.Second)
 	cfg.RetryBaseDelay = cmp.Or(cfg.RetryBaseDelay, 100*time.Millisecond)
 	cfg.RetryMaxDelay = cmp.Or(cfg.RetryMaxDelay, 30*time.Second)
@@ -293,7 +305,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		AckPolicy:      jetstream.AckExplicitPolicy,
 		AckWait:        c.cfg.AckWait,
 		MaxDeliver:     c.cfg.MaxAttempts + 1,
-		MaxAckPending:  2 * c.cfg.Concurrency * c.cfg.BatchSize,
+		MaxAckPending:  2 * (c.cfg.Concurrency*c.cfg.BatchSize + c.cfg.FetchAhead),
 		FilterSubjects: c.cfg.FilterSubjects,
 		DeliverPolicy:  jetstream.DeliverAllPolicy,
 	})
@@ -331,6 +343,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		cancelWork() // abandoned: their transactions roll back, JetStream delivers them again
 		<-done
 	}
+	r.confirmAcks()
 	// pollCtx ended on its own cause only through fail.
 	if err := context.Cause(pollCtx); err != nil && !errors.Is(err, context.Cause(ctx)) {
 		c.cfg.Logger.Error("oncely nats consumer stopped", "err", err)
@@ -340,11 +353,26 @@ func (c *Consumer) Run(ctx context.Context) error {
 	return nil
 }
 
-// pollMessages fetches as many messages as there are free slots and runs
-// each in a goroutine of its own, until the poll context ends.
+// pollMessages runs Concurrency workers, each on one message at a time,
+// and fetches ahead of them: up to FetchAhead more messages wait, fetched,
+// for a free worker, so that no worker waits for a fetch's round trip while
+// the stream has messages, and a fetch brings several. A message is kept from redelivery (InProgress)
+// from the moment it is fetched. On the way out the workers finish the
+// messages fetched.
 func (r *run) pollMessages(wg *sync.WaitGroup) {
 	c, pollCtx := r.c, r.pollCtx
-	slots := make(chan struct{}, c.cfg.Concurrency)
+	held := c.cfg.Concurrency + c.cfg.FetchAhead
+	slots := make(chan struct{}, held) // a message fetched and not finished holds one
+	queue := make(chan fetched, held)
+	for range c.cfg.Concurrency {
+		wg.Go(func() {
+			for f := range queue {
+				r.handle(f.m, f.stop)
+				<-slots
+			}
+		})
+	}
+	defer close(queue)
 	for pollCtx.Err() == nil {
 		free := 0
 		select {
@@ -355,7 +383,7 @@ func (r *run) pollMessages(wg *sync.WaitGroup) {
 		if free == 0 {
 			break
 		}
-		for free < c.cfg.Concurrency {
+		for free < held {
 			select {
 			case slots <- struct{}{}:
 				free++
@@ -375,12 +403,7 @@ func (r *run) pollMessages(wg *sync.WaitGroup) {
 		got := 0
 		for m := range batch.Messages() {
 			got++
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer func() { <-slots }()
-				r.handle(m)
-			}()
+			queue <- fetched{m: m, stop: r.keepInProgress(m)}
 		}
 		for range free - got {
 			<-slots
@@ -391,6 +414,13 @@ func (r *run) pollMessages(wg *sync.WaitGroup) {
 			r.fetched()
 		}
 	}
+}
+
+// fetched is a message fetched for a worker, and what stops keeping it in
+// progress.
+type fetched struct {
+	m    jetstream.Msg
+	stop func()
 }
 
 // pollBatches fetches a batch of up to BatchSize messages for each free
@@ -515,9 +545,10 @@ func (r *run) fail(err error) {
 	r.cancelPoll(err)
 }
 
-// handle runs one delivery through the record path. While it runs, the
-// message is kept from redelivery with InProgress.
-func (r *run) handle(m jetstream.Msg) {
+// handle runs one delivery through the record path, then stops keeping
+// it in progress (stopKeep).
+func (r *run) handle(m jetstream.Msg, stopKeep func()) {
+	defer stopKeep()
 	c := r.c
 	md, err := m.Metadata()
 	if err != nil {
@@ -527,15 +558,13 @@ func (r *run) handle(m jetstream.Msg) {
 	}
 	ctx, cancel := context.WithCancel(r.workCtx)
 	defer cancel()
-	defer r.keepInProgress(m)()
 	src := &source{r: r, m: m, md: md, ctx: ctx}
 	c.path.Deliver(ctx, record(m, md), src)
 }
 
 // handleBatch runs a batch of deliveries through the record path's batch
 // mode (consumer.DeliverBatch): one transaction, a savepoint per message;
-// each message is acknowledged after the COMMIT, the acks sent without
-// waiting and then confirmed together by one round trip to the server.
+// each message is acknowledged after the COMMIT.
 func (r *run) handleBatch(msgs []jetstream.Msg) {
 	c := r.c
 	ctx, cancel := context.WithCancel(r.workCtx)
@@ -550,27 +579,26 @@ func (r *run) handleBatch(msgs []jetstream.Msg) {
 			continue
 		}
 		recs = append(recs, record(m, md))
-		srcs = append(srcs, &source{r: r, m: m, md: md, ctx: ctx, batched: true})
+		srcs = append(srcs, &source{r: r, m: m, md: md, ctx: ctx})
 	}
 	c.path.DeliverBatch(ctx, recs, srcs)
-	for _, s := range srcs {
-		if s.(*source).acked {
-			r.confirmAcks(ctx, len(srcs))
-			return
-		}
-	}
 }
 
 // confirmAcks waits until the server has read the acknowledgements sent so
-// far on the connection (a PING after them, answered). Only a lost
-// connection keeps an ack from the server, and then JetStream delivers the
-// message again after AckWait; the inbox recognises it.
-func (r *run) confirmAcks(ctx context.Context, n int) {
-	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+// far on the connection (a PING sent after them, answered): Run's last
+// step, so that a process that exits after Run returned has not left its
+// last acks unsent in a buffer. Only a lost connection keeps an ack from
+// the server, and then JetStream delivers the message again after AckWait;
+// the inbox recognises it.
+func (r *run) confirmAcks() {
+	if r.crashed.Load() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	if err := r.c.cfg.JetStream.Conn().FlushWithContext(fctx); err != nil {
-		r.c.cfg.Logger.Warn("oncely nats acknowledgements of a batch unconfirmed; unacknowledged messages come again and are skipped as duplicates",
-			"stream", r.c.cfg.Stream, "messages", n, "err", err)
+	if err := r.c.cfg.JetStream.Conn().FlushWithContext(ctx); err != nil {
+		r.c.cfg.Logger.Warn("oncely nats acknowledgements unconfirmed at shutdown; unacknowledged messages come again and are skipped as duplicates",
+			"stream", r.c.cfg.Stream, "err", err)
 	}
 }
 
@@ -619,10 +647,6 @@ type source struct {
 	m   jetstream.Msg
 	md  *jetstream.MsgMetadata
 	ctx context.Context
-	// batched: the message is one of a batch, whose acks are sent without
-	// waiting and confirmed together (handleBatch).
-	batched bool
-	acked   bool // Settle sent an Ack (batched)
 }
 
 // Spent: the deliveries before this one, each an attempt.
@@ -658,10 +682,10 @@ func (s *source) DatabaseDown(down bool) {
 	s.r.mu.Unlock()
 }
 
-// Settle acknowledges a finished message (DoubleAck, confirmed by the
-// server; in a batch, Ack, confirmed for the batch by handleBatch), or
-// terminates a dead-lettered one (Term), after the crash-point hooks.
-// After a simulated crash nothing more is settled.
+// Settle acknowledges a finished message (Ack), or terminates a
+// dead-lettered one (Term), after the crash-point hooks; neither waits for
+// the server's reply (see confirmAcks). After a simulated crash nothing
+// more is settled.
 func (s *source) Settle(ctx context.Context, rec *kgo.Record, deadLettered bool) bool {
 	if s.r.crashed.Load() {
 		return false
@@ -678,14 +702,10 @@ func (s *source) Settle(ctx context.Context, rec *kgo.Record, deadLettered bool)
 	}
 	for n := 1; ; n++ {
 		var err error
-		switch {
-		case deadLettered:
+		if deadLettered {
 			err = s.m.Term()
-		case s.batched:
+		} else {
 			err = s.m.Ack()
-			s.acked = err == nil
-		default:
-			err = s.m.DoubleAck(ctx)
 		}
 		if err == nil || errors.Is(err, jetstream.ErrMsgAlreadyAckd) {
 			return true
