@@ -312,7 +312,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("natsconsumer: consumer %q on stream %q: %w", c.cfg.Durable, c.cfg.Stream, err)
 	}
-	r := &run{c: c, hooks: testhook.ConsumerFrom(ctx), cons: cons}
+	r := &run{c: c, hooks: testhook.ConsumerFrom(ctx), cons: cons, held: map[jetstream.Msg]struct{}{}}
 	// In-progress messages survive ctx, for the drain; workCtx ends them.
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
@@ -327,6 +327,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 		"batch_size", c.cfg.BatchSize)
 
 	var wg sync.WaitGroup
+	keepCtx, stopKeeping := context.WithCancel(workCtx)
+	defer stopKeeping()
+	go r.keepInProgress(keepCtx)
 	if c.cfg.BatchSize > 1 {
 		r.pollBatches(&wg)
 	} else {
@@ -356,31 +359,42 @@ func (c *Consumer) Run(ctx context.Context) error {
 // pollMessages runs Concurrency workers, each on one message at a time,
 // and fetches ahead of them: up to FetchAhead more messages wait, fetched,
 // for a free worker, so that no worker waits for a fetch's round trip while
-// the stream has messages, and a fetch brings several. A message is kept from redelivery (InProgress)
+// the stream has messages, and a fetch brings FetchAhead/2 or more. A message is kept from redelivery (InProgress)
 // from the moment it is fetched. On the way out the workers finish the
 // messages fetched.
 func (r *run) pollMessages(wg *sync.WaitGroup) {
 	c, pollCtx := r.c, r.pollCtx
 	held := c.cfg.Concurrency + c.cfg.FetchAhead
 	slots := make(chan struct{}, held) // a message fetched and not finished holds one
-	queue := make(chan fetched, held)
+	queue := make(chan jetstream.Msg, held)
 	for range c.cfg.Concurrency {
 		wg.Go(func() {
-			for f := range queue {
-				r.handle(f.m, f.stop)
+			for m := range queue {
+				r.handle(m)
+				r.release(m)
 				<-slots
 			}
 		})
 	}
 	defer close(queue)
+	// A fetch waits for half the room ahead to be free: while the other
+	// half waits for the workers, one round trip brings several messages.
+	want := max(1, c.cfg.FetchAhead/2)
 	for pollCtx.Err() == nil {
 		free := 0
-		select {
-		case slots <- struct{}{}:
-			free = 1
-		case <-pollCtx.Done():
+	wait:
+		for free < want {
+			select {
+			case slots <- struct{}{}:
+				free++
+			case <-pollCtx.Done():
+				break wait
+			}
 		}
-		if free == 0 {
+		if pollCtx.Err() != nil {
+			for range free {
+				<-slots
+			}
 			break
 		}
 		for free < held {
@@ -403,7 +417,8 @@ func (r *run) pollMessages(wg *sync.WaitGroup) {
 		got := 0
 		for m := range batch.Messages() {
 			got++
-			queue <- fetched{m: m, stop: r.keepInProgress(m)}
+			r.hold(m)
+			queue <- m
 		}
 		for range free - got {
 			<-slots
@@ -414,13 +429,6 @@ func (r *run) pollMessages(wg *sync.WaitGroup) {
 			r.fetched()
 		}
 	}
-}
-
-// fetched is a message fetched for a worker, and what stops keeping it in
-// progress.
-type fetched struct {
-	m    jetstream.Msg
-	stop func()
 }
 
 // pollBatches fetches a batch of up to BatchSize messages for each free
@@ -533,6 +541,9 @@ type run struct {
 	crashed  atomic.Bool
 	stopping atomic.Bool // Run is draining: not ready
 
+	heldMu sync.Mutex
+	held   map[jetstream.Msg]struct{} // fetched and not finished: see keepInProgress
+
 	mu       sync.Mutex
 	fetchErr string // the last fetch failed: why ("" once one succeeded)
 	dbDown   bool   // the last attempt could not reach the database
@@ -545,10 +556,8 @@ func (r *run) fail(err error) {
 	r.cancelPoll(err)
 }
 
-// handle runs one delivery through the record path, then stops keeping
-// it in progress (stopKeep).
-func (r *run) handle(m jetstream.Msg, stopKeep func()) {
-	defer stopKeep()
+// handle runs one delivery through the record path.
+func (r *run) handle(m jetstream.Msg) {
 	c := r.c
 	md, err := m.Metadata()
 	if err != nil {
@@ -569,7 +578,8 @@ func (r *run) handleBatch(msgs []jetstream.Msg) {
 	c := r.c
 	ctx, cancel := context.WithCancel(r.workCtx)
 	defer cancel()
-	defer r.keepInProgress(msgs...)()
+	r.hold(msgs...)
+	defer r.release(msgs...)
 	recs := make([]*kgo.Record, 0, len(msgs))
 	srcs := make([]consumer.Source, 0, len(msgs))
 	for _, m := range msgs {
@@ -602,25 +612,49 @@ func (r *run) confirmAcks() {
 	}
 }
 
-// keepInProgress keeps msgs from redelivery, with InProgress every
-// AckWait/3, until the returned function is called.
-func (r *run) keepInProgress(msgs ...jetstream.Msg) (stop func()) {
-	keep := make(chan struct{})
-	go func() {
-		t := time.NewTicker(r.c.cfg.AckWait / 3)
-		defer t.Stop()
-		for {
-			select {
-			case <-keep:
-				return
-			case <-t.C:
-				for _, m := range msgs {
-					_ = m.InProgress() // a settled message's is not sent
-				}
-			}
+// hold adds msgs to the messages the run keeps from redelivery while they
+// wait or run (see keepInProgress).
+func (r *run) hold(msgs ...jetstream.Msg) {
+	r.heldMu.Lock()
+	for _, m := range msgs {
+		r.held[m] = struct{}{}
+	}
+	r.heldMu.Unlock()
+}
+
+// release ends hold for msgs.
+func (r *run) release(msgs ...jetstream.Msg) {
+	r.heldMu.Lock()
+	for _, m := range msgs {
+		delete(r.held, m)
+	}
+	r.heldMu.Unlock()
+}
+
+// keepInProgress sends InProgress for every message held, every
+// AckWait/3, until ctx ends: a message waiting for a worker or running
+// longer than AckWait is not delivered again meanwhile. One loop for all
+// messages: the per-message cost is a map insert and delete.
+func (r *run) keepInProgress(ctx context.Context) {
+	t := time.NewTicker(r.c.cfg.AckWait / 3)
+	defer t.Stop()
+	var msgs []jetstream.Msg
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
 		}
-	}()
-	return func() { close(keep) }
+		r.heldMu.Lock()
+		msgs = msgs[:0]
+		for m := range r.held {
+			msgs = append(msgs, m)
+		}
+		r.heldMu.Unlock()
+		for _, m := range msgs {
+			_ = m.InProgress() // a settled message's is not sent
+		}
+	}
 }
 
 // record is m as the record path sees it: Topic the subject, Offset the
