@@ -49,14 +49,19 @@ type natsEnv struct {
 
 func newNATSEnv(t *testing.T) *natsEnv {
 	t.Helper()
+	js, err := jetstream.New(natsConn(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return newNATSEnvOn(t, js)
+}
+
+// newNATSEnvOn is newNATSEnv on the server of js.
+func newNATSEnvOn(t *testing.T, js jetstream.JetStream) *natsEnv {
+	t.Helper()
 	ctx := t.Context()
 	db := testenv.Migrated(t)
 	if _, err := db.Pool.Exec(ctx, `CREATE TABLE effects (message_id text NOT NULL, member text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	nc := natsConn(t)
-	js, err := jetstream.New(nc)
-	if err != nil {
 		t.Fatal(err)
 	}
 	name := strings.ToUpper(strings.NewReplacer("-", "_", ".", "_").Replace(testenv.UniqueName("oncely")))
