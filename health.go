@@ -53,8 +53,9 @@ type health struct {
 
 // Ready returns nil when Run has started every component and each is ready:
 // the database answered the last ping, each consumer consumes with no
-// partition waiting for the database, the relay publishes, and every
-// consumed topic and dead-letter topic exists. Otherwise it returns a
+// partition waiting for the database, each worker of AddWorker reports
+// no reason, the relay publishes, and every consumed topic and dead-letter
+// topic exists. Otherwise it returns a
 // *NotReadyError naming each component that is not.
 func (r *Runner) Ready() error {
 	var rs []Reason
@@ -71,6 +72,11 @@ func (r *Runner) Ready() error {
 		for _, e := range r.consumers {
 			if why := e.c.NotReady(); why != "" {
 				rs = append(rs, Reason{fmt.Sprintf("consumer group %q", e.group), why})
+			}
+		}
+		for _, e := range r.workers {
+			if why := e.w.NotReady(); why != "" {
+				rs = append(rs, Reason{e.name, why})
 			}
 		}
 		if r.relay != nil {

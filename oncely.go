@@ -127,6 +127,7 @@ type Runner struct {
 	relay         *outbox.Relay
 	cleaner       *dedup.Cleaner
 	consumers     []*consumerEntry
+	workers       []workerEntry
 	loops         []loop // cleanups and services: stopped first, no order among them
 	servers       []*server
 
@@ -149,6 +150,20 @@ type consumerEntry struct {
 	// brokers and opts reach the consumer's cluster, for the topic check.
 	brokers []string
 	opts    []kgo.Opt
+}
+
+// Worker is a queue worker of another broker that Run runs beside the
+// Kafka consumers, such as a natsconsumer.Consumer: Run consumes until its
+// context ends, then drains and returns; NotReady says why it is not ready
+// ("" when it is), for /readyz.
+type Worker interface {
+	Run(ctx context.Context) error
+	NotReady() string
+}
+
+type workerEntry struct {
+	name string
+	w    Worker
 }
 
 type loop struct {
@@ -453,6 +468,27 @@ func (r *Runner) AddDispatcher(cfg outbound.DispatcherConfig) (*outbound.Dispatc
 	}
 	r.loops = append(r.loops, loop{"outbound webhook dispatcher", d.Run})
 	return d, nil
+}
+
+// AddWorker adds a queue worker of another broker (a natsconsumer.Consumer,
+// say) that Run runs as it runs the Kafka consumers: it starts with them,
+// its context ends when they are told to drain (after the HTTP servers
+// stopped taking requests, before the relay's final flush), and an error it
+// returns before then stops the runner. Ready, and /readyz, name it when
+// its NotReady is not empty. The worker is configured by its own package
+// (its pool and schema should be the runner's, so that its handlers'
+// outbox writes reach the relay).
+func (r *Runner) AddWorker(name string, w Worker) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.addable("AddWorker"); err != nil {
+		return err
+	}
+	if name == "" || w == nil {
+		return fmt.Errorf("%w: AddWorker: a name and a Worker are required", ErrInvalidConfig)
+	}
+	r.workers = append(r.workers, workerEntry{name, w})
+	return nil
 }
 
 // OutboundStore returns the outbound webhook store in the runner's schema,

@@ -227,6 +227,9 @@ func (r *Runner) startComponents(s *supervisor, consumerCtx context.Context, con
 	for _, e := range r.consumers {
 		goWG(consumers, func() { s.exited(fmt.Sprintf("consumer group %q", e.group), e.c.Run(consumerCtx)) })
 	}
+	for _, e := range r.workers {
+		goWG(consumers, func() { s.exited(e.name, e.w.Run(consumerCtx)) })
+	}
 	if r.relay != nil {
 		go func() {
 			defer close(relayDone)

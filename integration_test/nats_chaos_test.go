@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"strconv"
@@ -21,6 +22,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/oncely/oncely"
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/integration_test/internal/chaos"
@@ -439,4 +441,38 @@ func TestNATSConnectionCuts(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A natsconsumer.Consumer added to a runner with AddWorker runs with it, and
+// /readyz names it while its nats-server is down and is 200 again once the
+// server is back; a message published then takes effect.
+func TestNATSRunnerReadyz(t *testing.T) {
+	srv := newNATSServer(t)
+	_, js := reconnecting(t, srv.url())
+	e := newNATSEnvOn(t, js)
+	r, err := oncely.New(oncely.Config{Pool: e.db.Pool, Schema: e.db.Schema, HealthInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := natsconsumer.New(e.config(js, natsEffect("a")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.AddWorker("nats consumer "+e.stream, c); err != nil {
+		t.Fatal(err)
+	}
+	h := r.Handler()
+	runRunner(t, r)
+	testenv.Eventually(t, 30*time.Second, "/readyz 200", func() bool { code, _ := readyz(t, h, false); return code == http.StatusOK })
+	srv.kill()
+	var body string
+	testenv.Eventually(t, 30*time.Second, "/readyz naming the NATS consumer", func() bool {
+		var code int
+		code, body = readyz(t, h, false)
+		return code == http.StatusServiceUnavailable && strings.Contains(body, "nats consumer "+e.stream) && strings.Contains(body, "NATS connection")
+	})
+	srv.start()
+	testenv.Eventually(t, 30*time.Second, "/readyz 200 after the restart", func() bool { code, _ := readyz(t, h, false); return code == http.StatusOK })
+	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "after-restart"})
+	e.exactlyOnce(1)
 }
