@@ -87,7 +87,16 @@
 // while its attempt still ran (a handler longer than AckWait whose
 // InProgress did not reach the server) runs a second attempt concurrently;
 // the inbox's unique index serialises the two and one of them is a
-// duplicate. A graceful stop finishes the attempts in progress; a delivery
-// abandoned at ShutdownTimeout counts as an attempt, as does every
-// redelivery.
+// duplicate. A graceful stop finishes the attempts in progress and the
+// messages fetched ahead (FetchAhead); a delivery abandoned at
+// ShutdownTimeout counts as an attempt, as does every redelivery. A crash
+// counts a delivery for every message the process held: those running
+// (Concurrency, or Concurrency batches) and those fetched ahead.
+//
+// # Readiness
+//
+// Ready and NotReady say whether Run consumes: its connection is up, its
+// last fetch succeeded, its last attempt reached the database and its last
+// dead-letter publish (if one failed) succeeded since. oncely.Runner's
+// AddWorker puts the reasons in /readyz.
 package natsconsumer
