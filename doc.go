@@ -1,5 +1,6 @@
-// Package oncely runs a service's oncely components as one: the consumers,
-// the outbox relay, the inbox and idempotency-key cleanups, outbound webhook
+// Package oncely runs a service's oncely components as one: the consumers
+// (Kafka's, and through AddWorker those of JetStream and RabbitMQ), the
+// outbox relay, the inbox and idempotency-key cleanups, outbound webhook
 // dispatchers, and the HTTP servers that feed the outbox, configured once and
 // shut down in order.
 //
@@ -42,7 +43,9 @@
 //
 //  1. the HTTP servers stop taking connections; requests in flight finish;
 //  2. the consumers drain (in-flight records finish, offsets are committed,
-//     the member leaves the group), while those requests finish;
+//     the member leaves the group), and so do the workers of other brokers
+//     (AddWorker: a JetStream or RabbitMQ consumer), while those requests
+//     finish;
 //  3. the relay publishes what the last transactions and requests enqueued,
 //     for up to Config.RelayFlushTimeout, and stops. What it does not
 //     publish stays in the outbox for the next relay: nothing is lost.

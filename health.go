@@ -44,6 +44,17 @@ type NotReadyError struct{ Reasons []Reason }
 
 func (e *NotReadyError) Error() string { return "oncely: not ready: " + reasonList(e.Reasons) }
 
+// Unwrap returns each reason as an error ("component: reason"): a caller
+// that does not import this package (the operator console, given
+// Runner.Ready) lists them through the interface{ Unwrap() []error }.
+func (e *NotReadyError) Unwrap() []error {
+	errs := make([]error, len(e.Reasons))
+	for i, r := range e.Reasons {
+		errs[i] = errors.New(r.String())
+	}
+	return errs
+}
+
 // health is what the watch loop last found.
 type health struct {
 	mu      sync.Mutex
@@ -53,9 +64,8 @@ type health struct {
 
 // Ready returns nil when Run has started every component and each is ready:
 // the database answered the last ping, each consumer consumes with no
-// partition waiting for the database, each worker of AddWorker reports
-// no reason, the relay publishes, and every consumed topic and dead-letter
-// topic exists. Otherwise it returns a
+// partition waiting for the database, the relay publishes, and every
+// consumed topic and dead-letter topic exists. Otherwise it returns a
 // *NotReadyError naming each component that is not.
 func (r *Runner) Ready() error {
 	var rs []Reason

@@ -152,23 +152,14 @@ type consumerEntry struct {
 	opts    []kgo.Opt
 }
 
-// Worker is a queue worker of another broker that Run runs beside the
-// Kafka consumers, such as a natsconsumer.Consumer: Run consumes until its
-// context ends, then drains and returns; NotReady says why it is not ready
-// ("" when it is), for /readyz.
-type Worker interface {
-	Run(ctx context.Context) error
-	NotReady() string
+type loop struct {
+	name string
+	run  func(ctx context.Context) error
 }
 
 type workerEntry struct {
 	name string
 	w    Worker
-}
-
-type loop struct {
-	name string
-	run  func(ctx context.Context) error
 }
 
 // Phases of Run, as /readyz reports them.
@@ -299,10 +290,12 @@ func (r *Runner) newRelay(rc outbox.RelayConfig) error {
 	if err := r.samePool("outbox.RelayConfig.Pool", &rc.Pool); err != nil {
 		return err
 	}
-	if err := r.brokers("outbox.RelayConfig.Brokers", &rc.Brokers); err != nil {
-		return err
+	if rc.Publisher == nil { // else it publishes to another broker: no Kafka
+		if err := r.brokers("outbox.RelayConfig.Brokers", &rc.Brokers); err != nil {
+			return err
+		}
+		rc.ClientOpts = r.kafkaOpts(rc.ClientOpts)
 	}
-	rc.ClientOpts = r.kafkaOpts(rc.ClientOpts)
 	rc.Logger = cmp.Or(rc.Logger, r.cfg.Logger)
 	rc.TracerProvider = cmp.Or(rc.TracerProvider, r.cfg.TracerProvider)
 	rc.MeterProvider = cmp.Or(rc.MeterProvider, r.cfg.MeterProvider)
@@ -394,6 +387,47 @@ func (r *Runner) AddConsumer(cfg consumer.Config) (*consumer.Consumer, error) {
 	return c, nil
 }
 
+// A Worker is a consumer of another broker run beside the Kafka consumers:
+// package natsconsumer's and package rabbitconsumer's Consumer are Workers.
+type Worker interface {
+	// Run consumes until ctx ends, then finishes or hands back what it
+	// holds and returns. An error it returns before then stops the runner.
+	Run(ctx context.Context) error
+	// NotReady says why it does not consume right now, or "" when it
+	// does; /readyz lists it.
+	NotReady() string
+}
+
+// AddWorker adds w, named name in logs and /readyz (for example "jetstream
+// ORDERS/order-worker"), to the components Run runs. It runs as a Kafka
+// consumer does: it starts after the start-up checks, with the consumers;
+// at shutdown its context ends with theirs, and Run waits for it to return
+// before the relay flushes, so the outbox rows its last transactions
+// committed are published. Give it the runner's Pool and Schema, and a
+// shutdown budget that fits in Config.ShutdownTimeout less
+// RelayFlushTimeout (the runner cannot see it). Its connection to its
+// broker is its own: the runner checks no stream or queue; w's Run does.
+func (r *Runner) AddWorker(name string, w Worker) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.addable("AddWorker"); err != nil {
+		return err
+	}
+	switch {
+	case name == "":
+		return invalid("AddWorker", "a name is required (it names the worker in logs and /readyz)")
+	case w == nil:
+		return invalid("AddWorker", "worker %q is nil", name)
+	}
+	for _, e := range r.workers {
+		if e.name == name {
+			return invalid("AddWorker", "a worker named %q was added already", name)
+		}
+	}
+	r.workers = append(r.workers, workerEntry{name, w})
+	return nil
+}
+
 // Relay returns the relay of Config.Relay, or nil.
 func (r *Runner) Relay() *outbox.Relay { return r.relay }
 
@@ -468,27 +502,6 @@ func (r *Runner) AddDispatcher(cfg outbound.DispatcherConfig) (*outbound.Dispatc
 	}
 	r.loops = append(r.loops, loop{"outbound webhook dispatcher", d.Run})
 	return d, nil
-}
-
-// AddWorker adds a queue worker of another broker (a natsconsumer.Consumer,
-// say) that Run runs as it runs the Kafka consumers: it starts with them,
-// its context ends when they are told to drain (after the HTTP servers
-// stopped taking requests, before the relay's final flush), and an error it
-// returns before then stops the runner. Ready, and /readyz, name it when
-// its NotReady is not empty. The worker is configured by its own package
-// (its pool and schema should be the runner's, so that its handlers'
-// outbox writes reach the relay).
-func (r *Runner) AddWorker(name string, w Worker) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if err := r.addable("AddWorker"); err != nil {
-		return err
-	}
-	if name == "" || w == nil {
-		return fmt.Errorf("%w: AddWorker: a name and a Worker are required", ErrInvalidConfig)
-	}
-	r.workers = append(r.workers, workerEntry{name, w})
-	return nil
 }
 
 // OutboundStore returns the outbound webhook store in the runner's schema,

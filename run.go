@@ -244,7 +244,7 @@ func (r *Runner) startComponents(s *supervisor, consumerCtx context.Context, con
 	goWG(loops, func() { r.watch(loopCtx) })
 	r.started.Store(true)
 	r.setPhase(&phaseRunning)
-	r.cfg.Logger.Info("oncely runner started", "schema", r.cfg.Schema, "consumers", len(r.consumers), "relay", r.relay != nil)
+	r.cfg.Logger.Info("oncely runner started", "schema", r.cfg.Schema, "consumers", len(r.consumers), "workers", len(r.workers), "relay", r.relay != nil)
 }
 
 // stopServers shuts the HTTP servers down, giving their requests until

@@ -55,6 +55,20 @@ type Config struct {
 	// Logger receives one line per action, with the operator's identity.
 	// Default: discard.
 	Logger *slog.Logger
+	// InboxRetention is the inbox cleaner's retention (dedup.CleanerConfig),
+	// shown beside the oldest inbox row: rows older than it plus an hour
+	// are flagged, as no cleaner seems to run. Default 0: not shown.
+	InboxRetention time.Duration
+	// Ready, when the console is mounted in a service that has one (e.g.
+	// oncely.Runner.Ready), says what of the service is not ready; the
+	// overview lists its reasons (each error of an Unwrap() []error, or the
+	// error) beside the console's own findings. Default: the console's own
+	// findings only.
+	Ready func() error
+	// SampleInterval is how often Console.Run samples consumer lag (the
+	// overview's trend) and reads what the dead-letter topics gained.
+	// Default 15s.
+	SampleInterval time.Duration
 	// Timeout bounds each page's and each action's work. Default 15s.
 	Timeout time.Duration
 }
@@ -116,6 +130,52 @@ func BearerToken(token string) (func(http.Handler) http.Handler, error) {
 	}, nil
 }
 
+// Console is the console's handler. Run, optional, keeps its lag trend
+// and dead-letter index current between views.
+type Console struct {
+	http.Handler
+	s *server
+}
+
+// Run samples consumer lag and brings the dead-letter index up to date
+// every Config.SampleInterval until ctx is done, then returns nil. Without
+// Run the pages do both when viewed: the lag trend then has the overview's
+// views as its samples, and the first view of a dead-letter topic reads it
+// whole. A failed round is logged and the next one tried.
+func (c *Console) Run(ctx context.Context) error {
+	s := c.s
+	if len(s.cfg.KafkaOpts) == 0 {
+		<-ctx.Done()
+		return nil
+	}
+	t := time.NewTicker(s.cfg.SampleInterval)
+	defer t.Stop()
+	for {
+		if err := s.sample(ctx); err != nil && ctx.Err() == nil {
+			s.log.Warn("console: sample", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// sample is one round of Run.
+func (s *server) sample(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
+	_, lagErr := s.lag(ctx)
+	topics, err := s.dlqTopics(ctx)
+	for _, t := range topics {
+		if _, serr := s.dlq.sync(ctx, t); serr != nil {
+			err = errors.Join(err, serr)
+		}
+	}
+	return errors.Join(lagErr, err)
+}
+
 // server is the console's state.
 type server struct {
 	cfg    Config
@@ -124,22 +184,33 @@ type server struct {
 	outbox *outbox.Outbox
 	hooks  *outbound.Store
 	tables struct{ inbox, outbox, deliveries string }
-	tmpl   *template.Template
-	log    *slog.Logger
+	dlq    *dlqIndex
+
+	lagHistory lagHistory
+	tmpl       *template.Template
+	log        *slog.Logger
 }
 
 // New returns the console's handler. Mount it under a prefix with
 // http.StripPrefix, e.g. mux.Handle("/ops/", http.StripPrefix("/ops", h)).
-func New(cfg Config) (http.Handler, error) {
+func New(cfg Config) (*Console, error) {
 	if cfg.Pool == nil {
 		return nil, errors.New("console: Config.Pool: required")
 	}
 	if cfg.Timeout < 0 {
 		return nil, errors.New("console: Config.Timeout: must not be negative")
 	}
+	if cfg.SampleInterval < 0 {
+		return nil, errors.New("console: Config.SampleInterval: must not be negative")
+	}
+	if cfg.InboxRetention < 0 {
+		return nil, errors.New("console: Config.InboxRetention: must not be negative")
+	}
 	s := &server{cfg: cfg, schema: cmp.Or(cfg.Schema, sqlident.DefaultSchema),
 		log: cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))}
 	s.cfg.Timeout = cmp.Or(cfg.Timeout, 15*time.Second)
+	s.cfg.SampleInterval = cmp.Or(cfg.SampleInterval, 15*time.Second)
+	s.dlq = &dlqIndex{opts: cfg.KafkaOpts}
 	var err error
 	if s.inbox, err = dedup.New(dedup.Config{Schema: s.schema}); err != nil {
 		return nil, errors.New("console: Config.Schema: " + err.Error())
@@ -179,7 +250,7 @@ func New(cfg Config) (http.Handler, error) {
 	if cfg.Auth != nil {
 		h = cfg.Auth(h)
 	}
-	return h, nil
+	return &Console{Handler: h, s: s}, nil
 }
 
 func securityHeaders(next http.Handler) http.Handler {

@@ -4,9 +4,10 @@
 // enabled, fix it (redrive dead letters, retry or discard parked outbox rows,
 // redrive dead webhook deliveries, pause and resume endpoints).
 //
-// [New] returns an http.Handler that a service mounts under a path of its
-// own (http.StripPrefix is enough: every link and redirect is relative), and
-// `oncely console` serves it on its own. Every asset is embedded; the pages
+// [New] returns a [Console], an http.Handler that a service mounts under a
+// path of its own (http.StripPrefix is enough: every link and redirect is
+// relative), and `oncely console` serves it on its own, running
+// [Console.Run] beside it. Every asset is embedded; the pages
 // load nothing from any other origin.
 //
 // Safe by default:
@@ -31,12 +32,49 @@
 // those offsets only, so a record dead-lettered after the dry run is not
 // redriven by it.
 //
-// Cost: the dead-letter pages and the overview read each dead-letter topic
-// from its start on every view (dlq.List), and the inbox counts are exact
-// (count(*)); on 100,000 dead letters and 1,000,000 inbox rows a page takes
-// seconds, not milliseconds (make bench-console measures every page beside
-// its raw queries). Lists stop at 500 rows; counts and actions cover all.
+// # The overview
 //
-// Not done here: trends over time (the pages show the present), the inbox
-// retention horizon, readiness, and brokers other than Kafka.
+// What is not ready and why comes first: the reasons of Config.Ready when
+// the console is mounted in a service that has one (oncely.Runner.Ready;
+// each error of its Unwrap() []error is a line), then the console's own
+// findings: the database or the brokers unreachable, a dead-letter topic
+// missing, a consumer group behind with no member, parked outbox rows, open
+// webhook breakers, inbox rows older than Config.InboxRetention. Then the
+// lag per group and topic and per partition with its trend, the dead
+// letters by class (per hour of the last day and per day of the last two
+// weeks, by last failure), the outbox backlog and parked rows per topic,
+// the inbox's rows and its oldest row beside the cleaner's retention, and
+// the webhook endpoints by breaker state.
+//
+// The lag trend is the change since the oldest sample of the last 15
+// minutes. The samples are kept in the console's process (an hour of them,
+// at most one per 5 s): each view of the overview takes one, and
+// [Console.Run] takes one every Config.SampleInterval. A restarted console
+// starts its trend afresh; without Run, the trend covers only the views.
+//
+// # Cost
+//
+// Every page is meant to render in well under 300 ms on 1,000,000 inbox
+// rows, 100,000 dead letters and 100,000 outbox rows; make bench-console
+// measures each page beside its own queries run raw (docs/BENCHMARKS.md).
+// How:
+//   - Dead letters are indexed in memory (see dlqIndex): a topic is read
+//     whole once, at its first view or by Run at start-up, and then only
+//     its new records, at each view; the index keeps each record's place,
+//     key and decoded oncely headers, not its value (some 600 bytes a
+//     record: 60 MB for 100,000). The first view of a topic that Run has not read yet costs
+//     the whole read (about 200 ms per 100,000 records). Lists show 100
+//     rows a page (keyset pages by partition/offset); counts, the dry run
+//     and the redrive cover every match.
+//   - The inbox is counted exactly up to 100,000 rows; above, its total
+//     is the planner's estimate (or, for a table never analyzed, a block
+//     sample's rows scaled by its share of the pages: within about 5 %),
+//     split by group and outcome as a block sample of about 20,000 rows
+//     splits it, and every such figure is marked ≈ (exact counts on
+//     request: /inbox?exact=1).
+//   - Parked outbox rows are listed 100 a page, their held rows counted in
+//     one join.
+//
+// Not done here: brokers other than Kafka, and a dead-letter index shared
+// between console processes (each reads the topics itself).
 package console

@@ -2,6 +2,7 @@ package console
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/hex"
 	"encoding/json"
@@ -45,7 +46,29 @@ var funcs = template.FuncMap{
 		}
 		return d.Round(time.Second).String()
 	},
-	"redact":    outbound.RedactURL,
+	"redact": outbound.RedactURL,
+	"since":  time.Since,
+	"dict": func(kv ...any) map[string]any {
+		m := make(map[string]any, len(kv)/2)
+		for i := 0; i+1 < len(kv); i += 2 {
+			m[kv[i].(string)] = kv[i+1]
+		}
+		return m
+	},
+	// link is page?query, query being url.Values.Encode's: html/template
+	// would escape its = and & as data.
+	"link": func(page, query string) template.URL {
+		if query == "" {
+			return template.URL(page) //nolint:gosec // a fixed page name
+		}
+		return template.URL(page + "?" + query) //nolint:gosec // url.Values.Encode escapes every value
+	},
+	"add": func(a int, bs ...int) int {
+		for _, b := range bs {
+			a += b
+		}
+		return a
+	},
 	"printable": printable,
 	"clip": func(s string, n int) string {
 		if len(s) <= n {
@@ -57,9 +80,11 @@ var funcs = template.FuncMap{
 
 // ---- Kafka ----
 
+var errNoKafka = errors.New("no Kafka configured (Config.KafkaOpts has no brokers)")
+
 func (s *server) kafka() (*kgo.Client, error) {
 	if len(s.cfg.KafkaOpts) == 0 {
-		return nil, errors.New("no Kafka configured (Config.KafkaOpts has no brokers)")
+		return nil, errNoKafka
 	}
 	return kgo.NewClient(s.cfg.KafkaOpts...)
 }
@@ -87,115 +112,6 @@ func (s *server) dlqTopics(ctx context.Context) ([]string, error) {
 	}
 	slices.Sort(out)
 	return out, nil
-}
-
-type lagRow struct {
-	Group, State, Topic string
-	Partition           int32
-	Commit, End, Lag    int64
-	Err                 string
-}
-
-func (s *server) lag(ctx context.Context) ([]lagRow, error) {
-	cl, err := s.kafka()
-	if err != nil {
-		return nil, err
-	}
-	defer cl.Close()
-	adm := kadm.NewClient(cl)
-	listed, err := adm.ListGroups(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("list consumer groups: %w", err)
-	}
-	groups := listed.Groups()
-	if len(groups) == 0 {
-		return nil, nil
-	}
-	lags, err := adm.Lag(ctx, groups...)
-	if err != nil {
-		return nil, fmt.Errorf("consumer group lag: %w", err)
-	}
-	var out []lagRow
-	for _, g := range lags.Sorted() {
-		for _, l := range g.Lag.Sorted() {
-			row := lagRow{Group: g.Group, State: g.State, Topic: l.Topic, Partition: l.Partition,
-				Commit: l.Commit.At, End: l.End.Offset, Lag: l.Lag}
-			if l.Err != nil {
-				row.Err = l.Err.Error()
-			}
-			out = append(out, row)
-		}
-	}
-	return out, nil
-}
-
-// ---- Overview ----
-
-type classCount struct {
-	Topic  string
-	Counts map[dlq.Class]int
-	Total  int
-	Err    string
-}
-
-type overviewData struct {
-	Lag        []lagRow
-	LagErr     string
-	DeadLetter []classCount
-	DLQErr     string
-	Classes    []dlq.Class
-	Outbox     outbox.Status
-	OutboxErr  string
-	Inbox      []groupCount
-	InboxErr   string
-	Breakers   map[string]int // by breaker state
-	Paused     int
-	HooksErr   string
-}
-
-var classes = []dlq.Class{dlq.ClassUndecodable, dlq.ClassPermanent, dlq.ClassMaxAttempts, dlq.ClassPanic, dlq.ClassOversized, dlq.ClassCrashLoop}
-
-func errText(err error) string {
-	if err == nil {
-		return ""
-	}
-	return err.Error()
-}
-
-func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string, error) {
-	v.Title, v.Nav = "Overview", "overview"
-	d := overviewData{Classes: classes, Breakers: map[string]int{}}
-	v.Data = &d
-	var err error
-	d.Lag, err = s.lag(ctx)
-	d.LagErr = errText(err)
-	topics, err := s.dlqTopics(ctx)
-	d.DLQErr = errText(err)
-	for _, t := range topics {
-		cc := classCount{Topic: t, Counts: map[dlq.Class]int{}}
-		entries, err := dlq.List(ctx, s.cfg.KafkaOpts, t, dlq.Filter{})
-		cc.Err = errText(err)
-		for _, e := range entries {
-			cc.Total++
-			if e.Info != nil {
-				cc.Counts[e.Info.Class]++
-			}
-		}
-		d.DeadLetter = append(d.DeadLetter, cc)
-	}
-	d.Outbox, err = s.outbox.Status(ctx, s.cfg.Pool)
-	d.OutboxErr = errText(err)
-	d.Inbox, err = s.inboxCounts(ctx)
-	d.InboxErr = errText(err)
-	ovs, err := s.hooks.Overviews(ctx, s.cfg.Pool)
-	d.HooksErr = errText(err)
-	for _, o := range ovs {
-		d.Breakers[string(o.Breaker.State)]++
-		if o.Subscription.Paused() {
-			d.Paused++
-		}
-	}
-	return "overview.html", nil
 }
 
 // ---- Dead letters ----
@@ -242,39 +158,72 @@ func parseTime(field, v string) (time.Time, error) {
 	return time.Time{}, badRequest{fmt.Sprintf("%s: %q is neither a time (RFC 3339, or 2006-01-02T15:04 UTC) nor a duration ago such as 24h", field, v)}
 }
 
-// list reads the entries that q selects, in partition and offset order.
-func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Entry, error) {
+// filter returns the dlq.Filter of q.
+func (q dlqQuery) filter(refs []string) (dlq.Filter, error) {
 	if q.Topic == "" {
-		return nil, badRequest{"topic: choose a dead-letter topic"}
+		return dlq.Filter{}, badRequest{"topic: choose a dead-letter topic"}
 	}
 	f := dlq.Filter{SourceTopic: q.Source, Group: q.Group, Class: dlq.Class(q.Class), MessageID: q.MessageID, Refs: refs}
 	if q.Class != "" && !f.Class.Valid() {
-		return nil, badRequest{fmt.Sprintf("class: unknown class %q", q.Class)}
+		return f, badRequest{fmt.Sprintf("class: unknown class %q", q.Class)}
 	}
 	var err error
 	if f.Since, err = parseTime("since", q.Since); err != nil {
-		return nil, err
+		return f, err
 	}
-	if f.Until, err = parseTime("until", q.Until); err != nil {
-		return nil, err
-	}
-	entries, err := dlq.List(ctx, s.cfg.KafkaOpts, q.Topic, f)
+	f.Until, err = parseTime("until", q.Until)
+	return f, err
+}
+
+// list returns the entries that q selects (and refs, when given), in
+// partition and offset order, as dlq.List would on the whole topic. Their
+// records come from the index: they have no value (see withValues).
+func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Entry, error) {
+	f, err := q.filter(refs)
 	if err != nil {
 		return nil, err
 	}
-	if q.Text == "" && q.Key == "" {
-		return entries, nil
+	if len(s.cfg.KafkaOpts) == 0 {
+		return nil, errNoKafka
 	}
-	out := entries[:0]
-	for _, e := range entries {
-		if q.Key != "" && string(e.Record.Key) != q.Key {
-			continue
+	t, err := s.dlq.sync(ctx, q.Topic)
+	if err != nil {
+		return nil, err
+	}
+	// Refs are looked up by partition and offset, not formatted for every
+	// record (Filter.Match's way); a ref that names another topic or is not
+	// partition/offset selects nothing, as in Filter.Match.
+	var want map[[2]int64]bool
+	if len(refs) > 0 {
+		want = map[[2]int64]bool{}
+		for _, ref := range refs {
+			short := ref
+			if i := strings.LastIndex(ref, "/"); i >= 0 {
+				if j := strings.LastIndex(ref[:i], "/"); j >= 0 {
+					if ref[:j] != q.Topic {
+						continue
+					}
+					short = ref[j+1:]
+				}
+			}
+			if p, o, err := parseRef("ref", short); err == nil && fmt.Sprintf("%d/%d", p, o) == short {
+				want[[2]int64{int64(p), o}] = true
+			}
 		}
-		if q.Text != "" && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), strings.ToLower(q.Text))) {
-			continue
+		f.Refs = nil
+	}
+	text := strings.ToLower(q.Text)
+	var out []dlq.Entry
+	t.each(func(e dlq.Entry) bool {
+		if want != nil && !want[[2]int64{int64(e.Record.Partition), e.Record.Offset}] ||
+			!f.Match(&e) ||
+			q.Key != "" && string(e.Record.Key) != q.Key ||
+			q.Text != "" && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), text)) {
+			return true
 		}
 		out = append(out, e)
-	}
+		return true
+	})
 	return out, nil
 }
 
@@ -282,13 +231,30 @@ type dlqData struct {
 	Topics  []string
 	Classes []dlq.Class
 	Q       dlqQuery
-	Entries []dlq.Entry
-	Shown   int
-	Query   string // the filter as a URL query
+	Matches int         // entries the filter selects
+	Entries []dlq.Entry // this page of them
+	First   int         // the position of Entries[0] among the matches, from 1
+	Next    string      // the query of the next page; empty on the last
+	Query   string      // the filter as a URL query
 }
 
-// maxListed bounds the rows a page lists; counts and actions cover all.
+// pageSize is the number of rows a page lists; counts and actions cover
+// all.
+const pageSize = 100
+
+// maxListed bounds the rows of the lists that have no pages.
 const maxListed = 500
+
+// parseRef reads a dead-letter record's partition/offset.
+func parseRef(field, ref string) (int32, int64, error) {
+	ps, os, ok := strings.Cut(ref, "/")
+	p, err1 := strconv.ParseInt(ps, 10, 32)
+	o, err2 := strconv.ParseInt(os, 10, 64)
+	if !ok || err1 != nil || err2 != nil {
+		return 0, 0, badRequest{fmt.Sprintf("%s: %q is not partition/offset", field, ref)}
+	}
+	return int32(p), o, nil
+}
 
 func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (string, error) {
 	v.Title, v.Nav = "Dead letters", "dlq"
@@ -305,9 +271,34 @@ func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (str
 	if d.Q.Topic == "" {
 		return "dlq.html", nil
 	}
-	d.Entries, err = s.list(ctx, d.Q, nil)
-	d.Shown = min(len(d.Entries), maxListed)
-	return "dlq.html", err
+	// Keyset pages: ?after=partition/offset lists the matches after that
+	// record, whatever was added or redriven before it since.
+	ap, ao := int32(-1), int64(-1)
+	if after := r.URL.Query().Get("after"); after != "" {
+		if ap, ao, err = parseRef("after", after); err != nil {
+			return "dlq.html", err
+		}
+	}
+	entries, err := s.list(ctx, d.Q, nil)
+	if err != nil {
+		return "dlq.html", err
+	}
+	d.Matches = len(entries)
+	i, _ := slices.BinarySearchFunc(entries, [2]int64{int64(ap), ao}, func(e dlq.Entry, k [2]int64) int {
+		return cmp.Or(cmp.Compare(int64(e.Record.Partition), k[0]), cmp.Compare(e.Record.Offset, k[1]))
+	})
+	if i < len(entries) && entries[i].Record.Partition == ap && entries[i].Record.Offset == ao {
+		i++
+	}
+	d.First = i + 1
+	d.Entries = entries[i:min(len(entries), i+pageSize)]
+	if i+pageSize < len(entries) {
+		last := d.Entries[len(d.Entries)-1].Record
+		next := d.Q.Values()
+		next.Set("after", fmt.Sprintf("%d/%d", last.Partition, last.Offset))
+		d.Next = next.Encode()
+	}
+	return "dlq.html", nil
 }
 
 type recordData struct {
@@ -354,6 +345,9 @@ func (s *server) record(ctx context.Context, r *http.Request, v *view) (string, 
 	if len(entries) == 0 {
 		return "record.html", badRequest{fmt.Sprintf("no record %s in %s", ref, topic)}
 	}
+	if entries, err = s.dlq.withValues(ctx, topic, entries[:1]); err != nil {
+		return "record.html", err
+	}
 	e := &entries[0]
 	d.Entry, d.Key = e, printable(e.Record.Key)
 	for _, h := range e.Record.Headers {
@@ -381,7 +375,8 @@ type confirmData struct {
 	Refs    []string // a selection, when given
 	Upto    string   // partition:offset of the last matching record, per partition
 	Results []dlq.Result
-	Count   int // records that would be redriven
+	Shown   []dlq.Result // the first pageSize of them
+	Count   int          // records that would be redriven
 	Skipped int
 }
 
@@ -442,6 +437,7 @@ func (s *server) dlqConfirm(ctx context.Context, r *http.Request, v *view) (stri
 	if d.Results, err = s.dryRun(ctx, entries); err != nil {
 		return "confirm.html", err
 	}
+	d.Shown = d.Results[:min(len(d.Results), pageSize)]
 	for _, res := range d.Results {
 		if res.Action == dlq.WouldRedrive {
 			d.Count++
@@ -479,6 +475,9 @@ func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.V
 		entries = kept
 	}
 	args := []any{"topic", q.Topic, "filter", q.Values().Encode(), "refs", refs, "upto", f.Get("upto")}
+	if entries, err = s.dlq.withValues(ctx, q.Topic, entries); err != nil {
+		return "", nil, "", args, err
+	}
 	cl, err := s.kafka()
 	if err != nil {
 		return "", nil, "", args, err
@@ -511,16 +510,22 @@ type shardRow struct {
 }
 
 type outboxData struct {
-	Status    outbox.Status
-	ByTopic   []shardRow
-	Parked    []outbox.ParkedRow
-	MaxParked int
+	Status           outbox.Status
+	ByTopic          []shardRow
+	Parked           []outbox.ParkedRow
+	After, NextAfter int64 // the page of parked rows: ids after After; the next page's
 }
 
 func (s *server) outboxPage(ctx context.Context, r *http.Request, v *view) (string, error) {
 	v.Title, v.Nav = "Outbox", "outbox"
-	d := &outboxData{MaxParked: maxListed}
+	d := &outboxData{}
 	v.Data = d
+	if a := r.URL.Query().Get("after"); a != "" {
+		var err error
+		if d.After, err = strconv.ParseInt(a, 10, 64); err != nil || d.After < 0 {
+			return "outbox.html", badRequest{fmt.Sprintf("after: %q is not an outbox row id", a)}
+		}
+	}
 	var err error
 	if d.Status, err = s.outbox.Status(ctx, s.cfg.Pool); err != nil {
 		return "outbox.html", err
@@ -533,8 +538,15 @@ func (s *server) outboxPage(ctx context.Context, r *http.Request, v *view) (stri
 	if d.ByTopic, err = pgx.CollectRows(rows, pgx.RowToStructByPos[shardRow]); err != nil {
 		return "outbox.html", fmt.Errorf("outbox pending by topic and shard: %w", err)
 	}
-	d.Parked, err = s.outbox.Parked(ctx, s.cfg.Pool, maxListed)
-	return "outbox.html", err
+	// One row more than the page tells whether there is a next one.
+	if d.Parked, err = s.outbox.ParkedAfter(ctx, s.cfg.Pool, d.After, pageSize+1); err != nil {
+		return "outbox.html", err
+	}
+	if len(d.Parked) > pageSize {
+		d.Parked = d.Parked[:pageSize]
+		d.NextAfter = d.Parked[pageSize-1].ID
+	}
+	return "outbox.html", nil
 }
 
 func formID(f url.Values) (int64, error) {
@@ -572,14 +584,113 @@ type groupCount struct {
 	Processed, DeadLettered, Total int64
 }
 
-func (s *server) inboxCounts(ctx context.Context) ([]groupCount, error) {
-	rows, err := s.cfg.Pool.Query(ctx, `SELECT consumer_group, count(*) FILTER (WHERE outcome = 'processed'),
-			count(*) FILTER (WHERE outcome = 'dead_lettered'), count(*)
-		FROM `+s.tables.inbox+` GROUP BY consumer_group ORDER BY consumer_group`)
-	if err != nil {
-		return nil, fmt.Errorf("count inbox rows: %w", err)
+// inboxCounts is the inbox's size: exact, or estimated (see inboxCounts).
+type inboxCounts struct {
+	Groups    []groupCount
+	Total     int64
+	Estimated bool  // Total is the planner's estimate and Groups a sample's split of it
+	FromPages bool  // no statistics: Total is the sample's rows scaled by its share of the pages
+	Sampled   int64 // rows in the sample
+	Oldest    time.Time
+	// Retention is the cleaner's (Config.InboxRetention); 0 when not told.
+	Retention time.Duration
+	// Overdue: the oldest row is older than the retention, by more than
+	// the cleaner's hour of slack: is a cleaner running?
+	Overdue bool
+}
+
+// exactInboxBelow is the inbox size up to which the pages count it
+// exactly: a count(*) takes about 30 ms per 100,000 rows.
+const exactInboxBelow = 100_000
+
+// inboxSample is the number of rows the estimate's split samples.
+const inboxSample = 20_000
+
+// inboxRowsPerPage is a low guess of the inbox rows an 8 KiB page holds
+// (some 70 of about 110 bytes), for a table the planner has no statistics
+// of: the guess only sizes the sample.
+const inboxRowsPerPage = 60
+
+// inboxCounts returns the inbox's rows by group and outcome: counted when
+// the table is small or exact is set, and otherwise estimated, at a cost
+// that does not grow with the table: the planner's row count (or, with no
+// statistics, the sample's rows scaled by its share of the pages) split by
+// group and outcome as a block sample of about inboxSample rows splits it. Groups too small to appear in the sample are
+// listed with no rows (the group list itself is exact, walked through the
+// primary key).
+func (s *server) inboxCounts(ctx context.Context, exact bool) (inboxCounts, error) {
+	c := inboxCounts{Retention: s.cfg.InboxRetention}
+	var oldest *time.Time
+	if err := s.cfg.Pool.QueryRow(ctx, `SELECT min(processed_at) FROM `+s.tables.inbox).Scan(&oldest); err != nil {
+		return c, fmt.Errorf("oldest inbox row: %w", err)
 	}
-	return pgx.CollectRows(rows, pgx.RowToStructByPos[groupCount])
+	if oldest != nil {
+		c.Oldest = *oldest
+		c.Overdue = c.Retention > 0 && time.Since(c.Oldest) > c.Retention+time.Hour
+	}
+	estimate, err := s.inbox.EstimateRows(ctx, s.cfg.Pool)
+	if err != nil {
+		return c, err
+	}
+	// A table the planner has no statistics of (never analyzed) is sized
+	// by its pages: counted when small, sampled otherwise, the sample then
+	// giving the total too.
+	var pages int64
+	if estimate < 0 {
+		if err := s.cfg.Pool.QueryRow(ctx, `SELECT pg_relation_size(to_regclass($1)) / current_setting('block_size')::bigint`,
+			s.tables.inbox).Scan(&pages); err != nil {
+			return c, fmt.Errorf("inbox size: %w", err)
+		}
+	}
+	const counts = `SELECT consumer_group, count(*) FILTER (WHERE outcome = 'processed') AS processed,
+			count(*) FILTER (WHERE outcome = 'dead_lettered') AS dead, count(*) AS total FROM `
+	if exact || estimate >= 0 && estimate < exactInboxBelow || estimate < 0 && pages*inboxRowsPerPage < exactInboxBelow {
+		rows, err := s.cfg.Pool.Query(ctx, counts+s.tables.inbox+` GROUP BY consumer_group ORDER BY consumer_group`)
+		if err != nil {
+			return c, fmt.Errorf("count inbox rows: %w", err)
+		}
+		if c.Groups, err = pgx.CollectRows(rows, pgx.RowToStructByPos[groupCount]); err != nil {
+			return c, fmt.Errorf("count inbox rows: %w", err)
+		}
+		for _, g := range c.Groups {
+			c.Total += g.Total
+		}
+		return c, nil
+	}
+	c.Estimated = true
+	pct := 100 * float64(inboxSample) / float64(estimate)
+	if estimate < 0 {
+		pct = 100 * float64(inboxSample) / float64(pages*inboxRowsPerPage)
+	}
+	pct = min(100, pct)
+	rows, err := s.cfg.Pool.Query(ctx, `WITH RECURSIVE groups AS (
+			SELECT min(consumer_group) AS g FROM `+s.tables.inbox+`
+			UNION ALL
+			SELECT (SELECT min(consumer_group) FROM `+s.tables.inbox+` WHERE consumer_group > groups.g) FROM groups WHERE g IS NOT NULL),
+		sample AS (`+counts+s.tables.inbox+` TABLESAMPLE SYSTEM ($1) GROUP BY consumer_group)
+		SELECT groups.g, coalesce(sample.processed, 0), coalesce(sample.dead, 0), coalesce(sample.total, 0)
+		FROM groups LEFT JOIN sample ON sample.consumer_group = groups.g WHERE groups.g IS NOT NULL ORDER BY groups.g`, pct)
+	if err != nil {
+		return c, fmt.Errorf("estimate inbox rows: %w", err)
+	}
+	if c.Groups, err = pgx.CollectRows(rows, pgx.RowToStructByPos[groupCount]); err != nil {
+		return c, fmt.Errorf("estimate inbox rows: %w", err)
+	}
+	for _, g := range c.Groups {
+		c.Sampled += g.Total
+	}
+	c.Total = estimate
+	if estimate < 0 { // a block sample of pct % of the pages holds about pct % of the rows
+		c.Total, c.FromPages = int64(float64(c.Sampled)*100/pct), true
+	}
+	for i := range c.Groups {
+		g := &c.Groups[i]
+		if c.Sampled > 0 {
+			scale := func(n int64) int64 { return int64(float64(n) * float64(c.Total) / float64(c.Sampled)) }
+			g.Processed, g.DeadLettered, g.Total = scale(g.Processed), scale(g.DeadLettered), scale(g.Total)
+		}
+	}
+	return c, nil
 }
 
 type inboxRow struct {
@@ -591,7 +702,7 @@ type inboxRow struct {
 }
 
 type inboxData struct {
-	Counts    []groupCount
+	Counts    inboxCounts
 	MessageID string
 	Rows      []inboxRow
 	Looked    bool
@@ -602,7 +713,7 @@ func (s *server) inboxPage(ctx context.Context, r *http.Request, v *view) (strin
 	d := &inboxData{MessageID: strings.TrimSpace(r.URL.Query().Get("message_id"))}
 	v.Data = d
 	var err error
-	if d.Counts, err = s.inboxCounts(ctx); err != nil {
+	if d.Counts, err = s.inboxCounts(ctx, r.URL.Query().Get("exact") == "1"); err != nil {
 		return "inbox.html", err
 	}
 	if d.MessageID == "" {

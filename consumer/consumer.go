@@ -992,8 +992,8 @@ func (w *worker) retry(rec *kgo.Record, prior *result) bool {
 // differs between brokers: how a failed record comes back, how a finished
 // one is acknowledged, how a dead-letter copy is written, and what the
 // broker counts of a record's deliveries. The Kafka partition worker is one
-// (kafkaSource, below); package natsconsumer's JetStream message is
-// another. Everything else (the transaction, the inbox claim, the handler,
+// (kafkaSource, below); package natsconsumer's JetStream message and
+// package rabbitconsumer's AMQP delivery are others. Everything else (the transaction, the inbox claim, the handler,
 // the classification of a failure, the backoff, the decision to
 // dead-letter, the spans and metrics) is the record path's own: deliver.
 type Source interface {
@@ -1113,7 +1113,7 @@ func (c *Consumer) deliver(ctx context.Context, rec *kgo.Record, src Source, pri
 }
 
 // NewRecordPath returns a Consumer that joins no Kafka group: only the
-// record path, for a broker adapter (package natsconsumer) that fetches
+// record path, for a broker adapter (natsconsumer, rabbitconsumer) that fetches
 // messages itself and hands each to Deliver with its Source. system is the
 // broker's messaging.system ("nats"). A message is given as a *kgo.Record:
 // Topic the name it was published to, Offset its sequence in the broker,
@@ -1178,6 +1178,17 @@ func (c *Consumer) DeliverBatch(ctx context.Context, recs []*kgo.Record, srcs []
 	return c.processBatch(p, recs, srcs)
 }
 
+// spanAttrsKey carries WithSpanAttributes's attributes.
+type spanAttrsKey struct{}
+
+// WithSpanAttributes returns ctx carrying kv: the process spans of a
+// message given to Deliver with it carry them too. A broker adapter passes
+// its messaging system's own semantic-convention attributes this way
+// (RabbitMQ's routing key and delivery tag).
+func WithSpanAttributes(ctx context.Context, kv ...attribute.KeyValue) context.Context {
+	return context.WithValue(ctx, spanAttrsKey{}, kv)
+}
+
 // CheckSchema is Run's start-up check, for a Consumer of NewRecordPath: it
 // fails with ErrNotMigrated naming each table of the record path (the inbox,
 // the redrive grants) that does not exist in Config.Schema.
@@ -1227,6 +1238,23 @@ func (c *Consumer) deliveredOut(ctx context.Context, rec *kgo.Record, src Source
 		f.attempts, c.cfg.MaxAttempts)
 	c.crashLoops.Add(1)
 	return c.deadLetter(ctx, rec, id, f, src, isRedrive(rec))
+}
+
+// DeadLetterRecord returns the dead-letter copy of rec that info describes,
+// for a Source's PublishDeadLetter: topic DeadLetterTopic(rec.Topic), rec's
+// key and value, the original headers that DeadLetterHeaders keeps, the
+// message-id header, info's oncely-dlq-* headers, the producer's
+// traceparent in dlq.HeaderOriginalTraceParent, and the trace context of
+// ctx (the dead-letter send span) as traceparent and tracestate.
+func (c *Consumer) DeadLetterRecord(ctx context.Context, rec *kgo.Record, info *dlq.Info) *kgo.Record {
+	out := dlq.NewRecord(c.cfg.DeadLetterTopic(rec.Topic), rec, info, c.cfg.DeadLetterHeaders)
+	// The copy continues from the send span; the producer's own context
+	// stays in HeaderOriginalTraceParent.
+	if tp := (telemetry.Carrier{Headers: &rec.Headers}).Get("traceparent"); tp != "" {
+		out.Headers = append(out.Headers, kgo.RecordHeader{Key: dlq.HeaderOriginalTraceParent, Value: []byte(tp)})
+	}
+	telemetry.Inject(ctx, &out.Headers)
+	return out
 }
 
 // slotter is a Source whose attempts take a transaction slot
@@ -1392,16 +1420,10 @@ func (s kafkaSource) PublishDeadLetter(sendCtx context.Context, rec *kgo.Record,
 	span := trace.SpanFromContext(sendCtx)
 	stub, tooLarge := false, 0
 	for n := 1; ; n++ {
-		out := dlq.NewRecord(topic, rec, info, c.cfg.DeadLetterHeaders) // a fresh record per produce
+		out := c.DeadLetterRecord(sendCtx, rec, info) // a fresh record per produce
 		if stub {
 			out = dlq.Stub(out, c.cfg.MessageIDHeader)
 		}
-		// The dead-letter record continues from the send span; the
-		// producer's own context stays in HeaderOriginalTraceParent.
-		if tp := (telemetry.Carrier{Headers: &rec.Headers}).Get("traceparent"); tp != "" {
-			out.Headers = append(out.Headers, kgo.RecordHeader{Key: dlq.HeaderOriginalTraceParent, Value: []byte(tp)})
-		}
-		telemetry.Inject(sendCtx, &out.Headers)
 		ctx, cancel := context.WithTimeout(w.ctx, c.cfg.DeadLetterTimeout)
 		err := w.r.cl.ProduceSync(ctx, out).FirstErr()
 		cancel()
@@ -1675,6 +1697,9 @@ func (c *Consumer) startProcessSpan(ctx context.Context, rec *kgo.Record, id str
 			telemetry.MessagingMessageID.String(id),
 			telemetry.Attempt.Int(attempt),
 		)
+		if kv, ok := ctx.Value(spanAttrsKey{}).([]attribute.KeyValue); ok { // a broker's own
+			span.SetAttributes(kv...)
+		}
 		if c.cfg.system == "" { // a Kafka record's own
 			span.SetAttributes(
 				telemetry.MessagingPartition.String(strconv.FormatInt(int64(rec.Partition), 10)),

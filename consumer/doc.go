@@ -205,5 +205,6 @@
 // runs it again; JetStream is told NakWithDelay), how a finished one is
 // acknowledged, how a dead-letter copy is written and confirmed, and what
 // the broker counts of a record's deliveries. NewRecordPath and Deliver
-// give that path to an adapter; package natsconsumer is one.
+// give that path to an adapter; packages natsconsumer and rabbitconsumer
+// are two.
 package consumer

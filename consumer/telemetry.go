@@ -111,15 +111,11 @@ const inboxCountInterval = 30 * time.Second
 // would read 0 however many rows it holds; it is counted exactly instead,
 // at most once per inboxCountInterval (the last count is reported between).
 func (c *Consumer) inboxRows(ctx context.Context) (int64, error) {
-	table := sqlident.Table(c.cfg.Schema, "inbox")
-	var estimate int64
-	err := c.cfg.Pool.QueryRow(ctx, `SELECT CASE WHEN reltuples > 0 AND relpages > 0
-			THEN (reltuples / relpages * (pg_relation_size(oid) / current_setting('block_size')::bigint))::bigint
-			ELSE -1 END
-		FROM pg_class WHERE oid = to_regclass($1)`, table).Scan(&estimate)
+	estimate, err := c.inbox.EstimateRows(ctx, c.cfg.Pool)
 	if err != nil || estimate >= 0 {
 		return estimate, err
 	}
+	table := sqlident.Table(c.cfg.Schema, "inbox")
 	c.inboxCount.Lock()
 	defer c.inboxCount.Unlock()
 	if !c.inboxCount.at.IsZero() && time.Since(c.inboxCount.at) < inboxCountInterval {

@@ -73,6 +73,8 @@ type Inbox struct {
 	setOut    string
 	lookup    string
 	release   string
+	// LookupMany
+	lookupMany string
 	// redrive grants (GrantRedrive)
 	redriveDead, grant, revoke, granted string
 }
@@ -112,9 +114,10 @@ func New(cfg Config) (*Inbox, error) {
 			ORDER BY u.id -- two batches claiming overlapping ids take their row locks in one order
 			ON CONFLICT (consumer_group, message_id) DO NOTHING
 			RETURNING message_id`,
-		setOut:  `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND message_id = $2`,
-		lookup:  `SELECT outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
-		release: `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
+		setOut:     `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND message_id = $2`,
+		lookup:     `SELECT outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
+		lookupMany: `SELECT message_id, outcome FROM ` + t + ` WHERE consumer_group = $1 AND message_id = ANY ($2::text[])`,
+		release:    `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND message_id = $2`,
 	}, nil
 }
 
@@ -367,6 +370,25 @@ func (in *Inbox) Lookup(ctx context.Context, db DBTX, group, messageID string) (
 	return Outcome(o), nil
 }
 
+// LookupMany returns the outcome of each of ids that group holds (ids it
+// does not hold are absent), in one query.
+func (in *Inbox) LookupMany(ctx context.Context, db DBTX, group string, ids []string) (map[string]Outcome, error) {
+	rows, err := db.Query(ctx, in.lookupMany, group, ids)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: lookup %d ids: %w", len(ids), err)
+	}
+	out := make(map[string]Outcome, len(ids))
+	var id, o string
+	_, err = pgx.ForEachRow(rows, []any{&id, &o}, func() error {
+		out[id] = Outcome(o)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dedup: lookup %d ids: %w", len(ids), err)
+	}
+	return out, nil
+}
+
 // GrantRedrive records that the dead-lettered message id of group may run
 // once more: the next claim of a record marked as redriven (Entry.Redrive)
 // from ref (Entry.RedriveRef) takes over its dead-lettered inbox row,
@@ -405,4 +427,21 @@ func (in *Inbox) RedriveGranted(ctx context.Context, db DBTX, group, messageID, 
 		return false, fmt.Errorf("dedup: redrive grant of %q: %w", messageID, err)
 	}
 	return ok, nil
+}
+
+// EstimateRows returns the planner's estimate of the inbox's row count
+// (reltuples per page times the table's current pages, as the planner
+// scales it), which costs nothing whatever the table's size. It returns -1
+// when the planner has no statistics of the table (never analyzed, or
+// analyzed while empty): count exactly then.
+func (in *Inbox) EstimateRows(ctx context.Context, db DBTX) (int64, error) {
+	var estimate int64
+	err := db.QueryRow(ctx, `SELECT CASE WHEN reltuples > 0 AND relpages > 0
+			THEN (reltuples / relpages * (pg_relation_size(oid) / current_setting('block_size')::bigint))::bigint
+			ELSE -1 END
+		FROM pg_class WHERE oid = to_regclass($1)`, sqlident.Table(in.schema, "inbox")).Scan(&estimate)
+	if err != nil {
+		return 0, fmt.Errorf("dedup: estimate rows: %w", err)
+	}
+	return estimate, nil
 }

@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"time"
 
@@ -67,7 +69,9 @@ func (e *InvalidRecordError) Error() string {
 
 func (e *InvalidRecordError) Unwrap() error { return e.Err }
 
-func (f *Filter) match(e *Entry) bool {
+// Match reports whether f selects e. List applies it to the first copy of
+// each dead-lettering (see Entry.Copies); later copies follow the first.
+func (f *Filter) Match(e *Entry) bool {
 	if len(f.Refs) > 0 {
 		ok := false
 		short := fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset)
@@ -116,7 +120,17 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 		return nil, fmt.Errorf("dlq: list: %w", err)
 	}
 	topicread.Sort(recs)
+	return Entries(recs, f)
+}
 
+// Entries returns the entries of dead-letter records recs (in the order
+// given) that match f, as List does for a topic it read: each record's
+// Info decoded from its headers, and copies of one dead-lettering listed
+// once, counted in Copies; with f.RefuseInvalid, an *InvalidRecordError
+// for the first record that is not a dead letter. Adapters of other brokers
+// (package natsconsumer) read their dead-letter streams into records and
+// list them with it.
+func Entries(recs []*kgo.Record, f Filter) ([]Entry, error) {
 	var out []Entry
 	seen := map[string]int{} // identity -> index in out
 	// Copies of one dead-lettering (a crash between the produce and the
@@ -124,6 +138,9 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 	for _, r := range recs {
 		e := Entry{Record: r, Copies: 1}
 		e.Info, e.Err = Decode(r.Headers)
+		if e.Err != nil && f.RefuseInvalid {
+			return nil, &InvalidRecordError{Ref: e.Ref(), Err: e.Err}
+		}
 		if e.Info != nil {
 			id := fmt.Sprintf("%s\x00%s\x00%s/%d/%d", e.Info.Group, e.Info.MessageID, e.Info.Topic, e.Info.Partition, e.Info.Offset)
 			if i, dup := seen[id]; dup {
@@ -132,12 +149,12 @@ func List(ctx context.Context, opts []kgo.Opt, topic string, f Filter) ([]Entry,
 				}
 				continue
 			}
-			if !f.match(&e) {
+			if !f.Match(&e) {
 				seen[id] = -1 // remember, so later copies are not listed either
 				continue
 			}
 			seen[id] = len(out)
-		} else if !f.match(&e) {
+		} else if !f.Match(&e) {
 			continue
 		}
 		out = append(out, e)
@@ -198,10 +215,36 @@ type Result struct {
 // header, each after recording its redrive grant (see RedriveOptions). It
 // stops at the first error and returns the results so far.
 func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts RedriveOptions) ([]Result, error) {
+	return RedriveWith(ctx, func(ctx context.Context, rec *kgo.Record) error {
+		return producer.ProduceSync(ctx, rec).FirstErr()
+	}, entries, opts)
+}
+
+// RedriveWith is Redrive through publish, which writes one record durably
+// to another broker (Record.Topic is the destination) and sets its
+// Partition and Offset to where it was stored, or returns an error.
+func RedriveWith(ctx context.Context, publish func(context.Context, *kgo.Record) error, entries []Entry, opts RedriveOptions) ([]Result, error) {
 	if !opts.DryRun && (opts.Inbox == nil || opts.DB == nil) {
 		return nil, ErrNoInbox
 	}
 	idHeader := cmp.Or(opts.IDHeader, HeaderMessageIDDefault)
+	lookup := func(e *Entry) (dedup.Outcome, error) {
+		return opts.Inbox.Lookup(ctx, opts.DB, e.Info.Group, e.Info.MessageID)
+	}
+	if opts.DryRun && opts.Inbox != nil && opts.DB != nil {
+		// A dry run changes nothing between lookups: the outcomes are read
+		// in a query per group and batch, not one per entry.
+		known, err := lookupAll(ctx, opts, entries)
+		if err != nil {
+			return nil, err
+		}
+		lookup = func(e *Entry) (dedup.Outcome, error) {
+			if o, ok := known[e.Info.Group][e.Info.MessageID]; ok {
+				return o, nil
+			}
+			return "", dedup.ErrNotClaimed
+		}
+	}
 	results := make([]Result, 0, len(entries))
 	for i := range entries {
 		e := &entries[i]
@@ -218,7 +261,7 @@ func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts Re
 		}
 		res.Topic = cmp.Or(opts.ToTopic, e.Info.Topic)
 		if opts.Inbox != nil && opts.DB != nil {
-			o, err := opts.Inbox.Lookup(ctx, opts.DB, e.Info.Group, e.Info.MessageID)
+			o, err := lookup(e)
 			switch {
 			case err == nil && o == dedup.Processed:
 				res.Action = SkipProcessed
@@ -239,7 +282,7 @@ func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts Re
 			return results, fmt.Errorf("dlq: redrive %s: %w", e.Ref(), err)
 		}
 		rec := RedriveRecord(e, res.Topic, idHeader)
-		if err := producer.ProduceSync(ctx, rec).FirstErr(); err != nil {
+		if err := publish(ctx, rec); err != nil {
 			// Best effort: a grant left behind lets the next redriven copy of
 			// this id run, which is what the operator asked for anyway.
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
@@ -251,6 +294,31 @@ func Redrive(ctx context.Context, producer *kgo.Client, entries []Entry, opts Re
 		results = append(results, res)
 	}
 	return results, nil
+}
+
+// lookupBatch is the number of ids lookupAll asks the inbox for at once.
+const lookupBatch = 10_000
+
+// lookupAll returns the inbox outcomes of the entries' ids, by group.
+func lookupAll(ctx context.Context, opts RedriveOptions, entries []Entry) (map[string]map[string]dedup.Outcome, error) {
+	ids := map[string][]string{}
+	for i := range entries {
+		if e := &entries[i]; e.Info != nil && !isStub(e.Record) {
+			ids[e.Info.Group] = append(ids[e.Info.Group], e.Info.MessageID)
+		}
+	}
+	out := make(map[string]map[string]dedup.Outcome, len(ids))
+	for group, all := range ids {
+		out[group] = map[string]dedup.Outcome{}
+		for batch := range slices.Chunk(all, lookupBatch) {
+			got, err := opts.Inbox.LookupMany(ctx, opts.DB, group, batch)
+			if err != nil {
+				return nil, fmt.Errorf("dlq: redrive: %w", err)
+			}
+			maps.Copy(out[group], got)
+		}
+	}
+	return out, nil
 }
 
 func isStub(rec *kgo.Record) bool {

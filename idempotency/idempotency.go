@@ -326,6 +326,14 @@ func (m *Middleware) wrap(next http.Handler, required bool) http.Handler {
 	})
 }
 
+// Header returns the name of the request header that carries the key
+// (Config.Header).
+func (m *Middleware) Header() string { return m.cfg.Header }
+
+// MaxKeyLength returns the longest key accepted, in bytes
+// (Config.MaxKeyLength).
+func (m *Middleware) MaxKeyLength() int { return m.cfg.MaxKeyLength }
+
 // Schema returns the schema of the idempotency_keys table ("" under
 // NewWithStore).
 func (m *Middleware) Schema() string { return m.cfg.Schema }

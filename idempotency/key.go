@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash"
 	"strings"
 	"unicode/utf8"
 )
@@ -128,16 +127,16 @@ const fingerprintVersion = "oncely.idempotency.fingerprint.v1"
 // hash alike; a request without a query hashes as it did before the query
 // was covered, so its recorded rows still match.
 func fingerprint(method, escapedPath string, withQuery bool, rawQuery string, body []byte) []byte {
-	h := sha256.New()
-	field(h, fingerprintVersion)
-	field(h, method)
-	field(h, escapedPath)
+	var buf [256]byte // fields are appended and hashed at once; short ones stay on the stack
+	b := appendField(buf[:0], fingerprintVersion)
+	b = appendField(b, method)
+	b = appendField(b, escapedPath)
 	if withQuery && rawQuery != "" {
-		field(h, "?"+rawQuery)
+		b = appendField(b, "?"+rawQuery)
 	}
 	sum := sha256.Sum256(body)
-	h.Write(sum[:])
-	return h.Sum(nil)
+	fp := sha256.Sum256(append(b, sum[:]...))
+	return fp[:]
 }
 
 // lockKey is the 64-bit transaction-scoped advisory lock that marks (scope,
@@ -145,17 +144,18 @@ func fingerprint(method, escapedPath string, withQuery bool, rawQuery string, bo
 // at the same moment makes one of them answer 409 once; with 64 bits that is
 // negligible.
 func lockKey(schema, scope, key string) int64 {
-	h := sha256.New()
-	field(h, "oncely.idempotency.lock")
-	field(h, schema)
-	field(h, scope)
-	field(h, key)
-	return int64(binary.BigEndian.Uint64(h.Sum(nil)))
+	var buf [256]byte
+	b := appendField(buf[:0], "oncely.idempotency.lock")
+	b = appendField(b, schema)
+	b = appendField(b, scope)
+	b = appendField(b, key)
+	sum := sha256.Sum256(b)
+	return int64(binary.BigEndian.Uint64(sum[:]))
 }
 
-func field(h hash.Hash, s string) {
-	var n [8]byte
-	binary.BigEndian.PutUint64(n[:], uint64(len(s)))
-	h.Write(n[:])
-	h.Write([]byte(s))
+// appendField appends s with its length as 8 big-endian bytes before it, so
+// that no two field lists hash alike.
+func appendField(b []byte, s string) []byte {
+	b = binary.BigEndian.AppendUint64(b, uint64(len(s)))
+	return append(b, s...)
 }

@@ -75,7 +75,7 @@ func (r *redisEnv) storedKeys(t *testing.T) int {
 			n++
 			continue
 		}
-		if ok, err := r.rdb.HExists(ctx, k, "status").Result(); err != nil {
+		if ok, err := r.rdb.HExists(ctx, k, "resp").Result(); err != nil {
 			t.Fatalf("redis hexists %s: %v", k, err)
 		} else if ok {
 			n++
@@ -88,7 +88,7 @@ func (r *redisEnv) storedKeys(t *testing.T) int {
 func (r *redisEnv) stored(t *testing.T, scope, key string) bool {
 	t.Helper()
 	record, _ := r.store.Keys(scope, key)
-	ok, err := r.rdb.HExists(context.Background(), record, "status").Result()
+	ok, err := r.rdb.HExists(context.Background(), record, "resp").Result()
 	if err != nil {
 		t.Fatalf("redis hexists %s: %v", record, err)
 	}

@@ -86,7 +86,7 @@ func TestConsoleInBrowser(t *testing.T) {
 				return nil
 			}
 			var png []byte
-			if err := chromedp.CaptureScreenshot(&png).Do(ctx); err != nil {
+			if err := chromedp.FullScreenshot(&png, 100).Do(ctx); err != nil { // the whole page, as PNG
 				return err
 			}
 			return os.WriteFile(filepath.Join(shots, name+".png"), png, 0o644)
@@ -99,6 +99,26 @@ func TestConsoleInBrowser(t *testing.T) {
 	run("overview", chromedp.Navigate(env.base), chromedp.WaitVisible("h1"), chromedp.Text("main", &text), shot("overview"))
 	if !strings.Contains(text, env.dlqTopic) || !strings.Contains(text, env.group) {
 		t.Errorf("overview shows no dead-letter topic or group:\n%s", text)
+	}
+	// Each part of the overview is rendered and visible: what is not ready
+	// (the parked row), the lag per group and topic with its trend, the
+	// dead letters per hour and per day, the outbox per topic, the inbox's
+	// horizon and the endpoints by breaker state.
+	for sel, want := range map[string]string{
+		`#not-ready`:     "1 parked rows hold their keys' later rows back",
+		`#lag tr.total`:  env.group,
+		`#lag`:           "trend",
+		`#dlq-hours`:     "last 24 hours, by hour",
+		`#dlq-days`:      "last 14 days, by day",
+		`#outbox-topics`: "payments",
+		`#inbox-counts`:  env.group,
+		`#inbox-horizon`: "Oldest row:",
+		`#webhooks`:      "breaker closed",
+	} {
+		run("overview "+sel, chromedp.WaitVisible(sel), chromedp.Text(sel, &text))
+		if !strings.Contains(text, want) {
+			t.Errorf("overview %s: %q, want it to say %q", sel, text, want)
+		}
 	}
 
 	// Filter: permanent failures whose error mentions schema v1.

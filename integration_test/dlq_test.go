@@ -307,6 +307,11 @@ func TestRedriveProcessesOnceMore(t *testing.T) {
 		t.Fatalf("redrive without the inbox = %v, want ErrNoInbox", err)
 	}
 	inbox := dedup.MustNew(e.db.Schema)
+	// A dry run with the inbox reads the outcomes in one query: the id is
+	// dead-lettered, so it would be redriven.
+	if dry, err = dlq.Redrive(ctx, nil, entries, dlq.RedriveOptions{DryRun: true, Inbox: inbox, DB: e.db.Pool}); err != nil || dry[0].Action != dlq.WouldRedrive {
+		t.Fatalf("dry run with the inbox before the redrive = %+v, %v", dry, err)
+	}
 	opts := dlq.RedriveOptions{Inbox: inbox, DB: e.db.Pool}
 	res, err := dlq.Redrive(ctx, producer, entries, opts)
 	if err != nil || res[0].Action != dlq.Redriven {
@@ -314,6 +319,9 @@ func TestRedriveProcessesOnceMore(t *testing.T) {
 	}
 	eventually(t, time.Minute, "v2 processes the redriven order", func() bool { return v2.c.Stats().Processed == 1 })
 	e.assertExactlyOnce(t, 1)
+	if dry, err = dlq.Redrive(ctx, nil, entries, dlq.RedriveOptions{DryRun: true, Inbox: inbox, DB: e.db.Pool}); err != nil || dry[0].Action != dlq.SkipProcessed {
+		t.Fatalf("dry run with the inbox after the redriven record ran = %+v, %v, want %s", dry, err, dlq.SkipProcessed)
+	}
 	if n := e.count(t, `SELECT count(*) FROM `+e.db.Schema+`.redrive_grants`); n != 0 {
 		t.Errorf("%d redrive grants left after the redriven record ran, want 0", n)
 	}

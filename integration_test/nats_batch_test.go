@@ -56,7 +56,7 @@ func TestNATSBatchConcurrentDuplicatesOneEffect(t *testing.T) {
 	for range 25 {
 		e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
 	}
-	cfg := e.batchConfig(e.js, natsEffect("a"), 10)
+	cfg := e.batchConfig(e.js, sourceEffect("a"), 10)
 	cfg.Concurrency = 3
 	c, _ := e.start(t.Context(), cfg)
 	e.settled()
@@ -79,7 +79,7 @@ func TestNATSBatchCrashBetweenCommitAndAck(t *testing.T) {
 	ctx := testhook.WithConsumer(t.Context(), &testhook.Consumer{AfterCommit: func(*kgo.Record) error {
 		return testhook.ErrCrash
 	}})
-	first, done := e.start(ctx, e.batchConfig(js1, natsEffect("first"), 10))
+	first, done := e.start(ctx, e.batchConfig(js1, sourceEffect("first"), 10))
 	select {
 	case err := <-done:
 		if !errors.Is(err, testhook.ErrCrash) {
@@ -94,7 +94,7 @@ func TestNATSBatchCrashBetweenCommitAndAck(t *testing.T) {
 	}
 
 	_, js2 := e.ownJetStream()
-	second, _ := e.start(t.Context(), e.batchConfig(js2, natsEffect("second"), 10))
+	second, _ := e.start(t.Context(), e.batchConfig(js2, sourceEffect("second"), 10))
 	e.settled()
 	e.effects(n)
 	if m := e.count(`SELECT count(*) FROM effects WHERE member = 'first'`); m != n {
@@ -125,7 +125,7 @@ func TestNATSBatchTwoConsumersRaceOneEffect(t *testing.T) {
 				once.Do(func() { close(entered) })
 				e.waitForBlockedClaim() // b's claim of order-1 waits on ours
 			}
-			return natsEffect(member)(ctx, tx, msg)
+			return sourceEffect(member)(ctx, tx, msg)
 		}
 	}
 	publish("a")
@@ -164,7 +164,7 @@ func TestNATSBatchPoisonDeadLetteredNeighboursCommit(t *testing.T) {
 	var r runCounter
 	var mu sync.Mutex
 	attempts := map[string][]int{}
-	apply := natsEffect("a")
+	apply := sourceEffect("a")
 	cfg := e.batchConfig(e.js, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 		n := r.add(msg.ID)
 		mu.Lock()
@@ -229,7 +229,7 @@ func TestNATSBatchHandler(t *testing.T) {
 		sizes = append(sizes, len(msgs))
 		mu.Unlock()
 		for _, m := range msgs {
-			if err := natsEffect("a")(ctx, tx, m); err != nil {
+			if err := sourceEffect("a")(ctx, tx, m); err != nil {
 				return err
 			}
 		}

@@ -73,7 +73,7 @@ func TestNATSChildWorker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &natsEnv{t: t, db: &testenv.DB{URL: f[0], Schema: f[1], Pool: pool}, js: js, stream: f[2]}
+	e := &natsEnv{sourceDB: sourceDB{t: t, db: &testenv.DB{URL: f[0], Schema: f[1], Pool: pool}}, js: js, stream: f[2]}
 	cfg := e.config(js, func(context.Context, pgx.Tx, *consumer.Message) error {
 		return dlq.Permanent(errors.New(natsChildPoisonErr))
 	})
@@ -315,7 +315,7 @@ func newGatedEffect(at ...int64) *gatedEffect {
 }
 
 func (g *gatedEffect) handler(member string) consumer.Handler {
-	apply := natsEffect(member)
+	apply := sourceEffect(member)
 	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 		n := g.runs.Add(1)
 		for i, at := range g.at {
@@ -454,7 +454,7 @@ func TestNATSRunnerReadyz(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := natsconsumer.New(e.config(js, natsEffect("a")))
+	c, err := natsconsumer.New(e.config(js, sourceEffect("a")))
 	if err != nil {
 		t.Fatal(err)
 	}

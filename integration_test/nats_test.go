@@ -16,13 +16,10 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/propagation"
-	sdktrace "go.opentelemetry.io/otel/sdk/trace"
-	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
-	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/internal/testhook"
 	"github.com/oncely/oncely/natsconsumer"
@@ -39,8 +36,7 @@ const natsURL = "nats://127.0.0.1:4222"
 // natsEnv is one test's JetStream stream, its dead-letter stream (both
 // deleted when the test ends) and its Postgres schema with an effects table.
 type natsEnv struct {
-	t       *testing.T
-	db      *testenv.DB
+	sourceDB
 	js      jetstream.JetStream
 	stream  string // the stream; its subjects are stream + ".>"
 	dlq     string // the dead-letter stream; subjects "dlq." + stream + ".>"
@@ -60,12 +56,8 @@ func newNATSEnv(t *testing.T) *natsEnv {
 func newNATSEnvOn(t *testing.T, js jetstream.JetStream) *natsEnv {
 	t.Helper()
 	ctx := t.Context()
-	db := testenv.Migrated(t)
-	if _, err := db.Pool.Exec(ctx, `CREATE TABLE effects (message_id text NOT NULL, member text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
 	name := strings.ToUpper(strings.NewReplacer("-", "_", ".", "_").Replace(testenv.UniqueName("oncely")))
-	e := &natsEnv{t: t, db: db, js: js, stream: name, dlq: name + "_DLQ", subject: name + ".orders"}
+	e := &natsEnv{sourceDB: newSourceDB(t), js: js, stream: name, dlq: name + "_DLQ", subject: name + ".orders"}
 	for stream, subject := range map[string]string{e.stream: name + ".>", e.dlq: "dlq." + name + ".>"} {
 		if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{subject}}); err != nil {
 			t.Fatalf("create stream %s: %v", stream, err)
@@ -111,14 +103,6 @@ func (e *natsEnv) ownJetStream() (*nats.Conn, jetstream.JetStream) {
 	return nc, js
 }
 
-// natsEffect records one effect per handler run.
-func natsEffect(member string) consumer.Handler {
-	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-		_, err := tx.Exec(ctx, `INSERT INTO effects (message_id, member) VALUES ($1, $2)`, msg.ID, member)
-		return err
-	}
-}
-
 // start runs a consumer of cfg until the test ends; the channel gets Run's
 // error.
 func (e *natsEnv) start(ctx context.Context, cfg natsconsumer.Config) (*natsconsumer.Consumer, <-chan error) {
@@ -155,15 +139,6 @@ func (e *natsEnv) publish(subject, data string, headers map[string]string) {
 	if _, err := e.js.PublishMsg(e.t.Context(), m); err != nil {
 		e.t.Fatal(err)
 	}
-}
-
-func (e *natsEnv) count(sql string, args ...any) int64 {
-	e.t.Helper()
-	var n int64
-	if err := e.db.Pool.QueryRow(e.t.Context(), sql, args...).Scan(&n); err != nil {
-		e.t.Fatal(err)
-	}
-	return n
 }
 
 // settled waits until the durable has no message pending or unacknowledged.
@@ -203,24 +178,6 @@ func (e *natsEnv) deadLetters(n int) []jetstream.Msg {
 	return out
 }
 
-// effects fails the test unless the handlers' effects number want.
-func (e *natsEnv) effects(want int64) {
-	e.t.Helper()
-	if n := e.count(`SELECT count(*) FROM effects`); n != want {
-		e.t.Fatalf("%d effects, want %d", n, want)
-	}
-}
-
-// waitForBlockedClaim waits until an inbox claim waits on another
-// transaction's lock.
-func (e *natsEnv) waitForBlockedClaim() {
-	e.t.Helper()
-	pattern := "INSERT INTO " + sqlident.Table(e.db.Schema, "inbox") + "%"
-	testenv.Eventually(e.t, 30*time.Second, "an inbox claim to wait on another transaction", func() bool {
-		return e.count(`SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1`, pattern) > 0
-	})
-}
-
 // 25 deliveries of one message id (a producer's duplicates: 25 stored
 // messages, all with the same message-id header) run at once: one effect,
 // 24 duplicates, every delivery acknowledged.
@@ -229,7 +186,7 @@ func TestNATSConcurrentDuplicatesOneEffect(t *testing.T) {
 	for range 25 {
 		e.publish(e.subject, "order", map[string]string{"message-id": "order-1"})
 	}
-	cfg := e.config(e.js, natsEffect("a"))
+	cfg := e.config(e.js, sourceEffect("a"))
 	cfg.Concurrency = 25
 	c, _ := e.start(t.Context(), cfg)
 	e.settled()
@@ -252,7 +209,7 @@ func TestNATSCrashBetweenCommitAndAck(t *testing.T) {
 		crashed = true
 		return testhook.ErrCrash
 	}})
-	_, done := e.start(ctx, e.config(js1, natsEffect("first")))
+	_, done := e.start(ctx, e.config(js1, sourceEffect("first")))
 	select {
 	case err := <-done:
 		if !errors.Is(err, testhook.ErrCrash) || !crashed {
@@ -264,7 +221,7 @@ func TestNATSCrashBetweenCommitAndAck(t *testing.T) {
 	nc1.Close() // the process is gone with its connection
 
 	_, js2 := e.ownJetStream()
-	second, _ := e.start(t.Context(), e.config(js2, natsEffect("second")))
+	second, _ := e.start(t.Context(), e.config(js2, sourceEffect("second")))
 	e.settled()
 	e.effects(1)
 	if n := e.count(`SELECT count(*) FROM effects WHERE member = 'first'`); n != 1 {
@@ -289,7 +246,7 @@ func TestNATSTwoConsumersRaceOneEffect(t *testing.T) {
 			if first.CompareAndSwap(false, true) {
 				e.waitForBlockedClaim() // the other process's claim waits on ours
 			}
-			return natsEffect(member)(ctx, tx, msg)
+			return sourceEffect(member)(ctx, tx, msg)
 		}
 	}
 	var cs []*natsconsumer.Consumer
@@ -413,7 +370,7 @@ func TestNATSCrashLoopAcrossRestarts(t *testing.T) {
 		nc.Close()
 	}
 	_, js := e.ownJetStream()
-	cfg := e.config(js, natsEffect("last"))
+	cfg := e.config(js, sourceEffect("last"))
 	cfg.MaxAttempts = maxAttempts
 	c, _ := e.start(t.Context(), cfg)
 	out := e.deadLetters(1)[0]
@@ -437,45 +394,17 @@ func TestNATSCrashLoopAcrossRestarts(t *testing.T) {
 // messaging attributes.
 func TestNATSTraceContext(t *testing.T) {
 	e := newNATSEnv(t)
-	rec := tracetest.NewSpanRecorder()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	p := newTracedProducer(t)
+	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "traced-1", "traceparent": p.traceparent})
 
-	pctx, producer := tp.Tracer("producer").Start(t.Context(), "send orders")
-	carrier := propagation.MapCarrier{}
-	propagation.TraceContext{}.Inject(pctx, carrier)
-	producer.End()
-	e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "traced-1", "traceparent": carrier["traceparent"]})
-
-	cfg := e.config(e.js, natsEffect("a"))
-	cfg.TracerProvider = tp
+	cfg := e.config(e.js, sourceEffect("a"))
+	cfg.TracerProvider = p.tp
 	_, _ = e.start(t.Context(), cfg)
 	e.settled()
-	var span sdktrace.ReadOnlySpan
-	testenv.Eventually(t, 10*time.Second, "the process span", func() bool {
-		for _, s := range rec.Ended() {
-			if s.Name() == "process "+e.subject {
-				span = s
-				return true
-			}
-		}
-		return false
-	})
-	if span.Parent().TraceID() != producer.SpanContext().TraceID() || span.Parent().SpanID() != producer.SpanContext().SpanID() {
-		t.Errorf("process span's parent %v, want the producer's span %v", span.Parent(), producer.SpanContext())
-	}
-	got := map[attribute.Key]string{}
-	for _, a := range span.Attributes() {
-		got[a.Key] = a.Value.String()
-	}
-	for k, v := range map[attribute.Key]string{
+	got := p.processSpan(t, "process "+e.subject, map[attribute.Key]string{
 		"messaging.system": "nats", "messaging.destination.name": e.subject, "messaging.consumer.group.name": "workers",
 		"messaging.message.id": "traced-1", "messaging.operation.type": "process", "oncely.dedup.outcome": "new",
-	} {
-		if got[k] != v {
-			t.Errorf("span attribute %s = %q, want %q", k, got[k], v)
-		}
-	}
+	})
 	if _, kafka := got["messaging.kafka.offset"]; kafka {
 		t.Error("a NATS span carries messaging.kafka.offset")
 	}
@@ -488,12 +417,12 @@ func TestNATSStartupChecks(t *testing.T) {
 	e := newNATSEnv(t)
 	for what, cfg := range map[string]natsconsumer.Config{
 		"DeadLetterSubject": func() natsconsumer.Config {
-			cfg := e.config(e.js, natsEffect("a"))
+			cfg := e.config(e.js, sourceEffect("a"))
 			cfg.DeadLetterSubject = func(subject string) string { return "nowhere." + subject }
 			return cfg
 		}(),
 		"NO_SUCH_STREAM": func() natsconsumer.Config {
-			cfg := e.config(e.js, natsEffect("a"))
+			cfg := e.config(e.js, sourceEffect("a"))
 			cfg.Stream = "NO_SUCH_STREAM"
 			return cfg
 		}(),
@@ -502,12 +431,7 @@ func TestNATSStartupChecks(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		err = c.Run(ctx)
-		cancel()
-		if err == nil || !strings.Contains(err.Error(), what) {
-			t.Errorf("Run: %v, want an error naming %s", err, what)
-		}
+		failsAtStart(t, what, c.Run)
 	}
 }
 
@@ -518,53 +442,8 @@ func TestNATSStartupChecks(t *testing.T) {
 func TestNATSRelayPublishesWithMessageIDs(t *testing.T) {
 	e := newNATSEnv(t)
 	ctx := t.Context()
-	ob, err := outbox.New(outbox.Config{Schema: e.db.Schema})
-	if err != nil {
-		t.Fatal(err)
-	}
 	const n = 20
-	var ids []string
-	tx, err := e.db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := range n {
-		out, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: e.subject, Key: []byte("k" + strconv.Itoa(i%2)), Value: []byte(strconv.Itoa(i))})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, out[0].MessageID)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	relay := func(ctx context.Context) (*outbox.Relay, <-chan error) {
-		r, err := outbox.NewRelay(outbox.RelayConfig{Outbox: outbox.Config{Schema: e.db.Schema}, Pool: e.db.Pool,
-			Publisher: natsconsumer.JetStreamPublisher{JetStream: e.js}, PollInterval: 50 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() { done <- r.Run(ctx) }()
-		return r, done
-	}
-	var published atomic.Int64
-	_, done := relay(testhook.WithRelay(ctx, &testhook.Relay{AfterProduce: func(k int) error {
-		published.Add(int64(k))
-		return testhook.ErrCrash
-	}}))
-	if err := <-done; !errors.Is(err, testhook.ErrCrash) || published.Load() == 0 {
-		t.Fatalf("first relay: %v after %d published, want the simulated crash after a batch", err, published.Load())
-	}
-	rctx, cancel := context.WithCancel(ctx)
-	second, done := relay(rctx)
-	testenv.Eventually(t, 30*time.Second, "the second relay to publish every row", func() bool {
-		return second.Stats().Published == n
-	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	ids, _ := relayRepublishes(t, e.db, natsconsumer.JetStreamPublisher{JetStream: e.js}, e.subject, n)
 
 	stream, err := e.js.Stream(ctx, e.stream)
 	if err != nil {
@@ -597,4 +476,210 @@ func TestNATSRelayPublishesWithMessageIDs(t *testing.T) {
 			t.Errorf("key %s: stored ids %v, want %v (enqueue order, each once)", key, byKey[key], want)
 		}
 	}
+}
+
+// A dead letter of the JetStream stream is listed from its dead-letter
+// stream (natsconsumer.DeadLetters, the filters of package dlq), a dry run
+// publishes nothing, and a redrive runs the message exactly once more,
+// seconds after the original: the redriven copy carries no Nats-Msg-Id, so
+// JetStream's duplicate window, which still holds the original's id, keeps
+// it. A second redrive of the same dead letter is skipped as processed.
+func TestNATSDeadLettersRedriveOnce(t *testing.T) {
+	e := newNATSEnv(t)
+	ctx := t.Context()
+	e.publish(e.subject, "bad", map[string]string{nats.MsgIdHdr: "poison-1", "tenant": "acme"})
+	e.publish(e.subject, "good", map[string]string{nats.MsgIdHdr: "good-1"})
+	var fixed atomic.Bool
+	var runs atomic.Int32
+	_, _ = e.start(ctx, e.config(e.js, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		runs.Add(1)
+		if string(msg.Value) == "bad" && !fixed.Load() {
+			return dlq.Permanent(errors.New("order has no id"))
+		}
+		return sourceEffect("w")(ctx, tx, msg)
+	}))
+	e.deadLetters(1)
+	e.settled()
+
+	all, err := natsconsumer.DeadLetters(ctx, e.js, e.dlq, dlq.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) != 1 || all[0].Info == nil || all[0].Info.MessageID != "poison-1" || all[0].Info.Topic != e.subject ||
+		all[0].Info.Class != dlq.ClassPermanent || all[0].Ref() != "dlq."+e.subject+"/0/1" {
+		t.Fatalf("dead letters %+v, want poison-1 of %s at dlq.%s/0/1", all, e.subject, e.subject)
+	}
+	if none, err := natsconsumer.DeadLetters(ctx, e.js, e.dlq, dlq.Filter{MessageID: "good-1"}); err != nil || len(none) != 0 {
+		t.Fatalf("filter by another id: %d entries, %v", len(none), err)
+	}
+	if byClass, err := natsconsumer.DeadLetters(ctx, e.js, e.dlq, dlq.Filter{Class: dlq.ClassPermanent, Refs: []string{"0/1"}}); err != nil || len(byClass) != 1 {
+		t.Fatalf("filter by class and ref: %d entries, %v", len(byClass), err)
+	}
+
+	inbox, err := dedup.New(dedup.Config{Schema: e.db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := dlq.RedriveOptions{Inbox: inbox, DB: e.db.Pool}
+	dry := opts
+	dry.DryRun = true
+	res, err := natsconsumer.Redrive(ctx, e.js, all, dry)
+	if err != nil || len(res) != 1 || res[0].Action != dlq.WouldRedrive {
+		t.Fatalf("dry run: %+v, %v", res, err)
+	}
+	if n := streamMsgs(t, e.js, e.stream); n != 2 {
+		t.Fatalf("the dry run published: the stream holds %d messages, want 2", n)
+	}
+
+	fixed.Store(true)
+	res, err = natsconsumer.Redrive(ctx, e.js, all, opts)
+	if err != nil || len(res) != 1 || res[0].Action != dlq.Redriven || res[0].Topic != e.subject || res[0].Offset != 3 {
+		t.Fatalf("redrive: %+v, %v; want redriven to %s at sequence 3", res, err, e.subject)
+	}
+	testenv.Eventually(t, 30*time.Second, "the redriven message's effect", func() bool {
+		return e.count(`SELECT count(*) FROM effects WHERE message_id = 'poison-1'`) == 1
+	})
+	e.settled()
+	if n := e.count(`SELECT count(*) FROM inbox WHERE message_id = 'poison-1' AND outcome = 'processed'`); n != 1 {
+		t.Errorf("inbox: poison-1 processed %d times, want 1", n)
+	}
+
+	res, err = natsconsumer.Redrive(ctx, e.js, all, opts)
+	if err != nil || len(res) != 1 || res[0].Action != dlq.SkipProcessed {
+		t.Fatalf("second redrive: %+v, %v; want skipped as processed", res, err)
+	}
+	e.settled()
+	e.effects(2) // good-1 and the redriven poison-1, once each
+	if n := runs.Load(); n != 3 {
+		t.Errorf("handler ran %d times, want 3 (good-1, poison-1, its redrive)", n)
+	}
+}
+
+// streamMsgs is the number of messages stored in stream.
+func streamMsgs(t *testing.T, js jetstream.JetStream, stream string) uint64 {
+	t.Helper()
+	s, err := js.Stream(t.Context(), stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return info.State.Msgs
+}
+
+// `oncely dlq list|show|redrive --stream` works on a JetStream dead-letter
+// stream as on a Kafka topic: the dead letter listed (and in --json), shown
+// by 0/sequence, redriven once with its grant in the consumers' database,
+// and a stream of other messages refused.
+func TestNATSCLIDeadLetters(t *testing.T) {
+	e := newNATSEnv(t)
+	ctx := t.Context()
+	oncely := oncelyCLI(t)
+	e.publish(e.subject, "bad", map[string]string{nats.MsgIdHdr: "poison-1"})
+	var fixed atomic.Bool
+	_, _ = e.start(ctx, e.config(e.js, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if !fixed.Load() {
+			return dlq.Permanent(errors.New("rejected by v1"))
+		}
+		return sourceEffect("w")(ctx, tx, msg)
+	}))
+	e.deadLetters(1)
+	e.settled()
+
+	stream := []string{"--nats", natsURL, "--stream", e.dlq}
+	code, out, errs := oncely(t, append([]string{"dlq", "list"}, stream...)...)
+	if code != 0 || !strings.Contains(out, "poison-1") || !strings.Contains(out, "permanent") || !strings.Contains(out, "0/1") {
+		t.Fatalf("dlq list: exit %d\n%s\n%s", code, out, errs)
+	}
+	code, out, errs = oncely(t, append([]string{"dlq", "list", "--json", "--class", "max_attempts"}, stream...)...)
+	if code != 0 || out != "" {
+		t.Fatalf("dlq list --class max_attempts: exit %d\n%s\n%s, want no JSON line", code, out, errs)
+	}
+	code, out, errs = oncely(t, append([]string{"dlq", "list", "--json", "--class", "permanent"}, stream...)...)
+	if code != 0 || strings.Count(out, "\n") != 1 || !strings.Contains(out, `"message_id":"poison-1"`) {
+		t.Fatalf("dlq list --json --class permanent: exit %d\n%s\n%s, want one JSON line", code, out, errs)
+	}
+	code, out, errs = oncely(t, append([]string{"dlq", "show", "0/1"}, stream...)...)
+	if code != 0 || !strings.Contains(out, "rejected by v1") || !strings.Contains(out, e.subject) {
+		t.Fatalf("dlq show 0/1: exit %d\n%s\n%s", code, out, errs)
+	}
+	code, out, errs = oncely(t, "dlq", "list", "--nats", natsURL, "--stream", e.stream)
+	if code == 0 || !strings.Contains(errs, "is not a dead-letter stream") {
+		t.Fatalf("dlq list of the source stream: exit %d\n%s\n%s, want a refusal", code, out, errs)
+	}
+
+	fixed.Store(true)
+	db := []string{"--database-url", e.db.URL, "--schema", e.db.Schema}
+	code, out, errs = oncely(t, append(append([]string{"dlq", "redrive", "--all"}, stream...), db...)...)
+	if code != 0 || !strings.Contains(out, "1 redriven") {
+		t.Fatalf("dlq redrive: exit %d\n%s\n%s", code, out, errs)
+	}
+	testenv.Eventually(t, 30*time.Second, "the redriven message's effect", func() bool {
+		return e.count(`SELECT count(*) FROM effects WHERE message_id = 'poison-1'`) == 1
+	})
+	e.settled()
+	code, out, errs = oncely(t, append(append([]string{"dlq", "redrive", "--all"}, stream...), db...)...)
+	if code != 0 || !strings.Contains(out, "1 skipped (processed)") {
+		t.Fatalf("second dlq redrive: exit %d\n%s\n%s", code, out, errs)
+	}
+	e.settled()
+	e.effects(1)
+}
+
+// relayRepublishes enqueues n rows to topic (keys k0 and k1 in turn) and
+// relays them with pub: a first relay dies after its first batch's
+// confirmation, before marking it sent; a second publishes every row. It
+// returns the rows' message ids in enqueue order and how many rows the
+// first relay published (published again by the second).
+func relayRepublishes(t *testing.T, db *testenv.DB, pub outbox.Publisher, topic string, n int) (ids []string, republished int64) {
+	t.Helper()
+	ctx := t.Context()
+	ob, err := outbox.New(outbox.Config{Schema: db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		out, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: topic, Key: []byte("k" + strconv.Itoa(i%2)), Value: []byte(strconv.Itoa(i))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, out[0].MessageID)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	relay := func(ctx context.Context) (*outbox.Relay, <-chan error) {
+		r, err := outbox.NewRelay(outbox.RelayConfig{Outbox: outbox.Config{Schema: db.Schema}, Pool: db.Pool,
+			Publisher: pub, PollInterval: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- r.Run(ctx) }()
+		return r, done
+	}
+	var published atomic.Int64
+	_, done := relay(testhook.WithRelay(ctx, &testhook.Relay{AfterProduce: func(k int) error {
+		published.Add(int64(k))
+		return testhook.ErrCrash
+	}}))
+	if err := <-done; !errors.Is(err, testhook.ErrCrash) || published.Load() == 0 {
+		t.Fatalf("first relay: %v after %d published, want the simulated crash after a batch", err, published.Load())
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	second, done := relay(rctx)
+	testenv.Eventually(t, 30*time.Second, "the second relay to publish every row", func() bool {
+		return second.Stats().Published == int64(n)
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	return ids, published.Load()
 }

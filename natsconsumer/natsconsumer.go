@@ -23,8 +23,8 @@ import (
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/backoff"
+	"github.com/oncely/oncely/internal/brokersource"
 	"github.com/oncely/oncely/internal/ratelog"
-	"github.com/oncely/oncely/internal/telemetry"
 	"github.com/oncely/oncely/internal/testhook"
 )
 
@@ -336,19 +336,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		r.pollMessages(&wg)
 	}
 	r.stopping.Store(true)
-	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
-	t := time.NewTimer(c.cfg.ShutdownTimeout)
-	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-		cancelWork() // abandoned: their transactions roll back, JetStream delivers them again
-		<-done
-	}
+	brokersource.Drain(&wg, c.cfg.ShutdownTimeout, cancelWork)
 	r.confirmAcks()
 	// pollCtx ended on its own cause only through fail.
-	if err := context.Cause(pollCtx); err != nil && !errors.Is(err, context.Cause(ctx)) {
+	if err := brokersource.StopError(ctx, pollCtx); err != nil {
 		c.cfg.Logger.Error("oncely nats consumer stopped", "err", err)
 		return err
 	}
@@ -762,50 +753,25 @@ func (s *source) Settle(ctx context.Context, rec *kgo.Record, deadLettered bool)
 func (s *source) PublishDeadLetter(ctx context.Context, rec *kgo.Record, info *dlq.Info) bool {
 	c := s.r.c
 	subject := c.cfg.DeadLetterSubject(rec.Topic)
-	for n := 1; ; n++ {
+	return brokersource.Retrier{Backoff: c.backoff, Outage: c.outage}.Publish(ctx, s.Pause, func(pctx context.Context) error {
 		out := nats.NewMsg(subject)
 		out.Data = rec.Value
-		for k, vs := range s.m.Headers() {
-			if k == nats.MsgIdHdr || strings.HasPrefix(strings.ToLower(k), dlq.Prefix) || k == "traceparent" || k == "tracestate" {
-				continue
-			}
-			out.Header[k] = slices.Clone(vs)
-		}
-		for _, h := range info.Headers() {
-			out.Header.Set(h.Key, string(h.Value))
+		for _, h := range c.path.DeadLetterRecord(ctx, rec, info).Headers {
+			out.Header.Add(h.Key, string(h.Value))
 		}
 		out.Header.Set(HeaderStream, s.md.Stream)
 		out.Header.Set(HeaderSubject, rec.Topic)
 		out.Header.Set(HeaderSequence, strconv.FormatUint(s.md.Sequence.Stream, 10))
 		out.Header.Set(HeaderDeliveryCount, strconv.FormatUint(s.md.NumDelivered, 10))
 		out.Header.Set(HeaderConsumer, c.cfg.Durable)
-		if tp := s.m.Headers().Get("traceparent"); tp != "" {
-			out.Header.Set(dlq.HeaderOriginalTraceParent, tp)
-		}
-		// The copy continues from the dead-letter send span.
-		var tc []kgo.RecordHeader
-		telemetry.Inject(ctx, &tc)
-		for _, h := range tc {
-			out.Header.Set(h.Key, string(h.Value))
-		}
 		out.Header.Set(nats.MsgIdHdr, fmt.Sprintf("%s/%d/%s", s.md.Stream, s.md.Sequence.Stream, c.cfg.Durable))
-		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		_, err := c.cfg.JetStream.PublishMsg(pctx, out)
-		cancel()
-		if err == nil {
+		if err != nil {
+			s.r.deadLetterDown(fmt.Sprintf("%s cannot be written: %v", subject, err))
+		} else {
 			s.r.deadLetterDown("")
-			return true
 		}
-		s.r.deadLetterDown(fmt.Sprintf("%s cannot be written: %v", subject, err))
-		if ctx.Err() != nil {
-			telemetry.Fail(trace.SpanFromContext(ctx), err, "publish")
-			return false
-		}
-		delay := c.backoff.Delay(n)
-		c.outage.Warn(ctx, "oncely nats dead-letter publish failed; the message waits", "subject", rec.Topic,
-			"sequence", s.md.Sequence.Stream, "dlq_subject", subject, "delay", delay, "err", err)
-		if !s.Pause(delay) {
-			return false
-		}
-	}
+		return err
+	}, "oncely nats dead-letter publish failed; the message waits", "subject", rec.Topic,
+		"sequence", s.md.Sequence.Stream, "dlq_subject", subject)
 }

@@ -38,11 +38,7 @@ func (JetStreamPublisher) System() string { return System }
 func (p JetStreamPublisher) Publish(ctx context.Context, recs []*kgo.Record) []error {
 	errs := make([]error, len(recs))
 	for i, rec := range recs {
-		m := nats.NewMsg(rec.Topic)
-		m.Data = rec.Value
-		for _, h := range rec.Headers {
-			m.Header.Add(h.Key, string(h.Value))
-		}
+		m := message(rec)
 		if id := header(rec, outbox.MessageIDHeader); id != "" {
 			m.Header.Set(nats.MsgIdHdr, id)
 		}
@@ -57,6 +53,17 @@ func (p JetStreamPublisher) Publish(ctx context.Context, recs []*kgo.Record) []e
 		}
 	}
 	return errs
+}
+
+// message is rec as a NATS message: its topic the subject, its value the
+// data, its headers the headers.
+func message(rec *kgo.Record) *nats.Msg {
+	m := nats.NewMsg(rec.Topic)
+	m.Data = rec.Value
+	for _, h := range rec.Headers {
+		m.Header.Add(h.Key, string(h.Value))
+	}
+	return m
 }
 
 // Refuse: a subject NATS cannot publish to, or data over the server's

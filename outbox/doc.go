@@ -3,7 +3,8 @@
 // the caller's pgx.Tx, and a [Relay] publishes committed rows to Kafka.
 // Through RelayConfig.Publisher the relay publishes to another broker
 // instead (natsconsumer.JetStreamPublisher: NATS JetStream, with
-// Nats-Msg-Id set to the message id); shards, order, marking sent and
+// Nats-Msg-Id set to the message id; rabbitconsumer.Publisher: a RabbitMQ
+// exchange, with message_id set to it); shards, order, marking sent and
 // parking are the same.
 //
 // # Identity

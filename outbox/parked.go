@@ -30,6 +30,18 @@ var ErrNotParked = errors.New("outbox: no parked row with this id")
 
 // Parked lists parked rows, oldest first, at most limit (0: all).
 func (o *Outbox) Parked(ctx context.Context, db DBTX, limit int) ([]ParkedRow, error) {
+	return o.ParkedAfter(ctx, db, 0, limit)
+}
+
+// ParkedAfter lists the parked rows whose id is above after, oldest first,
+// at most limit (0: all): a page of Parked, the next one starting after the
+// last id returned.
+//
+// The rows held behind each parked row are counted in one pass over the
+// pending rows (a hash join), not by a query per parked row: with a large
+// backlog, a per-row count walks the shard's pending rows once for every
+// parked row listed.
+func (o *Outbox) ParkedAfter(ctx context.Context, db DBTX, after int64, limit int) ([]ParkedRow, error) {
 	if limit < 0 {
 		return nil, fmt.Errorf("outbox: parked: limit %d is negative", limit)
 	}
@@ -37,14 +49,19 @@ func (o *Outbox) Parked(ctx context.Context, db DBTX, limit int) ([]ParkedRow, e
 	if limit > 0 {
 		lim = &limit
 	}
-	rows, err := db.Query(ctx, `SELECT p.id, p.message_id, p.topic, p.key,
-			coalesce(octet_length(p.key), 0) + coalesce(octet_length(p.value), 0)
-				+ coalesce((SELECT sum(octet_length(k)) FROM unnest(p.header_keys) k), 0)
-				+ coalesce((SELECT sum(octet_length(v)) FROM unnest(p.header_values) v), 0),
-			coalesce(p.error, ''), p.parked_at,
-			(SELECT count(*) FROM `+o.table+` h WHERE h.shard = p.shard AND h.topic = p.topic AND h.key = p.key
-				AND h.id > p.id AND h.sent_at IS NULL AND h.parked_at IS NULL)
-		FROM `+o.table+` p WHERE p.parked_at IS NOT NULL AND p.sent_at IS NULL ORDER BY p.id LIMIT $1`, lim)
+	rows, err := db.Query(ctx, `WITH p AS MATERIALIZED (
+			SELECT id, message_id, topic, key, shard,
+				coalesce(octet_length(key), 0) + coalesce(octet_length(value), 0)
+					+ coalesce((SELECT sum(octet_length(k)) FROM unnest(header_keys) k), 0)
+					+ coalesce((SELECT sum(octet_length(v)) FROM unnest(header_values) v), 0) AS size,
+				coalesce(error, '') AS error, parked_at
+			FROM `+o.table+` WHERE parked_at IS NOT NULL AND sent_at IS NULL AND id > $2 ORDER BY id LIMIT $1),
+		held AS (
+			SELECT p.id, count(*) AS n FROM p JOIN `+o.table+` h ON h.shard = p.shard AND h.topic = p.topic AND h.key = p.key
+				AND h.id > p.id AND h.sent_at IS NULL AND h.parked_at IS NULL
+			GROUP BY p.id)
+		SELECT p.id, p.message_id, p.topic, p.key, p.size, p.error, p.parked_at, coalesce(held.n, 0)
+		FROM p LEFT JOIN held ON held.id = p.id ORDER BY p.id`, lim, after)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: parked: %w", err)
 	}

@@ -38,7 +38,8 @@ type RelayConfig struct {
 	// Brokers are the seed brokers. Required, unless Publisher is set.
 	Brokers []string
 	// Publisher, when set, publishes the rows instead of a Kafka producer:
-	// to another broker (package natsconsumer's JetStreamPublisher). The
+	// to another broker (package natsconsumer's JetStreamPublisher,
+	// package rabbitconsumer's Publisher). The
 	// Kafka fields (Brokers, ClientOpts, ClientID) are then unused.
 	Publisher Publisher
 	// ClientOpts are extra franz-go options (TLS, SASL...), applied after

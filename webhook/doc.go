@@ -92,11 +92,13 @@
 //
 // # Without Postgres
 //
-// A Receiver needs Postgres (the outbox). An intake that has only Redis can
-// deduplicate at the HTTP layer instead: verify with a [Verifier], make the
-// delivery id the Idempotency-Key, and put package idempotency's middleware
-// with the Redis store (package idempotency/redisstore) in front of the
-// processing; redisstore's Example_webhookIntake shows it, and its package
-// documentation the duplicate windows that remain (the processing must pass
-// the delivery id on to what it calls).
+// A Receiver needs Postgres (the outbox). An endpoint whose processing is a
+// call to another service, with only Redis at hand, is an [Intake]: it
+// verifies each request as a Receiver does, then runs the processing
+// through package idempotency's middleware, on any store (package
+// idempotency/redisstore's for Redis), with the delivery id as the key,
+// and answers what the processing answered; a redelivery gets that answer
+// replayed. redisstore's package documentation names the duplicate windows
+// that remain (the processing must pass the delivery id on to what it
+// calls).
 package webhook

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"regexp"
@@ -101,8 +100,9 @@ type Receiver struct {
 	cfg    Config
 	outbox *outbox.Outbox
 	tel    *telemetry.Requests
+	gate   gate
 
-	stored, duplicates, refused, failed atomic.Int64
+	stored, duplicates, failed atomic.Int64
 }
 
 // New returns a Receiver.
@@ -117,11 +117,13 @@ func New(cfg Config) (*Receiver, error) {
 	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, DefaultMaxBodyBytes)
 	cfg.StoreTimeout = cmp.Or(cfg.StoreTimeout, DefaultStoreTimeout)
 	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
-	tel, err := newInstruments(&cfg)
+	tel, err := newInstruments(cfg.TracerProvider, cfg.MeterProvider)
 	if err != nil {
 		return nil, err
 	}
-	return &Receiver{cfg: cfg, outbox: ob, tel: tel}, nil
+	rc := &Receiver{cfg: cfg, outbox: ob, tel: tel}
+	rc.gate = gate{verifier: cfg.Verifier, idPrefix: cfg.IDPrefix, maxID: outbox.MaxIDLen, maxBody: cfg.MaxBodyBytes, logger: cfg.Logger}
+	return rc, nil
 }
 
 // Stats are a Receiver's counters since it was created.
@@ -134,7 +136,7 @@ type Stats struct {
 
 // Stats returns the counters.
 func (rc *Receiver) Stats() Stats {
-	return Stats{Stored: rc.stored.Load(), Duplicates: rc.duplicates.Load(), Refused: rc.refused.Load(), Failed: rc.failed.Load()}
+	return Stats{Stored: rc.stored.Load(), Duplicates: rc.duplicates.Load(), Refused: rc.gate.refused.Load(), Failed: rc.failed.Load()}
 }
 
 // ServeHTTP checks, in order, the method (405), the body size (413), the
@@ -149,33 +151,9 @@ func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 func (rc *Receiver) serve(w http.ResponseWriter, r *http.Request) intake {
-	if r.Method != http.MethodPost {
-		w.Header().Set("Allow", http.MethodPost)
-		return rc.refuse(w, r, http.StatusMethodNotAllowed, RefusalMethod, "webhook: method not allowed; deliveries are POSTed", "method "+r.Method)
-	}
-	body, status, err := rc.readBody(w, r)
-	if err != nil {
-		reason := RefusalBodyUnreadable
-		if status == http.StatusRequestEntityTooLarge {
-			reason = RefusalBodyTooLarge
-		}
-		return rc.refuse(w, r, status, reason, err.Error(), err.Error())
-	}
-	d, err := rc.cfg.Verifier.Verify(r, body, time.Now())
-	if err != nil {
-		status := http.StatusUnauthorized // fail closed
-		if ve, ok := errors.AsType[*Error](err); ok && ve.Status >= 400 && ve.Status < 600 {
-			status = ve.Status
-		}
-		return rc.refuse(w, r, status, refusalOf(err), refusalBody(err), err.Error())
-	}
-	id := rc.cfg.IDPrefix + d.ID
-	switch {
-	case d.ID == "":
-		return rc.refuse(w, r, http.StatusBadRequest, RefusalNoDeliveryID, "webhook: "+ErrNoDeliveryID.Error(), "the verifier returned no delivery id")
-	case len(id) > outbox.MaxIDLen:
-		msg := fmt.Sprintf("webhook: the delivery id is %d bytes long, over the limit of %d", len(id), outbox.MaxIDLen)
-		return rc.refuse(w, r, http.StatusBadRequest, RefusalDeliveryIDTooLong, msg, msg)
+	d, body, id, refused := rc.gate.admit(w, r)
+	if refused != nil {
+		return *refused
 	}
 	duplicate, err := rc.store(r.Context(), id, d, body, r.Header.Get("Content-Type"))
 	if err != nil {
@@ -197,24 +175,6 @@ func (rc *Receiver) serve(w http.ResponseWriter, r *http.Request) intake {
 		slog.String("delivery_id", d.ID), slog.String("provider", d.Provider), slog.Bool("duplicate", duplicate))
 	w.WriteHeader(http.StatusAccepted)
 	return intake{outcome: outcome, status: http.StatusAccepted, delivery: d, messageID: id}
-}
-
-// readBody reads the whole body within MaxBodyBytes, or returns the status
-// to refuse the request with.
-func (rc *Receiver) readBody(w http.ResponseWriter, r *http.Request) ([]byte, int, error) {
-	limit := rc.cfg.MaxBodyBytes
-	if r.ContentLength > limit {
-		return nil, http.StatusRequestEntityTooLarge,
-			fmt.Errorf("webhook: the body of %d bytes is over the limit of %d", r.ContentLength, limit)
-	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
-	if err != nil {
-		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
-			return nil, http.StatusRequestEntityTooLarge, fmt.Errorf("webhook: the body is over the limit of %d bytes", limit)
-		}
-		return nil, http.StatusBadRequest, errors.New("webhook: the body could not be read")
-	}
-	return body, 0, nil
 }
 
 // store enqueues the delivery in a transaction of its own and reports
@@ -249,17 +209,6 @@ func (rc *Receiver) store(ctx context.Context, id string, d Delivery, body []byt
 		return false, fmt.Errorf("webhook: store delivery %q: %w", id, err)
 	}
 	return duplicate, nil
-}
-
-// refuse answers a 4xx status with body, which never quotes the request,
-// logs detail, which says exactly what was wrong, at Info, and returns the
-// refusal for the telemetry (reason: one of the Refusal* values).
-func (rc *Receiver) refuse(w http.ResponseWriter, r *http.Request, status int, reason, body, detail string) intake {
-	rc.refused.Add(1)
-	rc.cfg.Logger.LogAttrs(r.Context(), slog.LevelInfo, "webhook: request refused",
-		slog.Int("status", status), slog.String("reason", detail), slog.String("remote_addr", r.RemoteAddr))
-	http.Error(w, body, status)
-	return intake{outcome: OutcomeRefused, refusal: reason, status: status}
 }
 
 // reasons are the refusals whose fixed text a response may carry: they name

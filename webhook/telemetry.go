@@ -5,14 +5,17 @@ import (
 	"fmt"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/internal/telemetry"
 )
 
-// Metric and span names of the Receiver.
+// Metric and span names of the Receiver and the Intake.
 const (
 	// MetricInboundRequests counts requests by oncely.webhook.outcome
-	// (accepted, duplicate, refused, failed) and, for refusals,
+	// (accepted, duplicate, refused, failed; an Intake's also in_progress)
+	// and, for refusals,
 	// oncely.webhook.refusal (one of the Refusal* values).
 	MetricInboundRequests = "oncely.webhook.inbound.requests"
 	// MetricInboundDuration is the time from the request's arrival to its
@@ -26,10 +29,10 @@ const (
 
 // Outcomes of a request (attribute oncely.webhook.outcome).
 const (
-	OutcomeAccepted  = "accepted"  // stored, answered 202
-	OutcomeDuplicate = "duplicate" // already stored, answered 202
+	OutcomeAccepted  = "accepted"  // stored, answered 202 (an Intake: the handler ran and answered below 500)
+	OutcomeDuplicate = "duplicate" // already stored, answered 202 (an Intake: the handler's answer replayed)
 	OutcomeRefused   = "refused"   // answered 4xx, nothing stored
-	OutcomeFailed    = "failed"    // not stored, answered 503
+	OutcomeFailed    = "failed"    // not stored, answered 503 (an Intake: the handler, or the store, answered 5xx)
 )
 
 // Reasons for a refusal (attribute oncely.webhook.refusal).
@@ -78,8 +81,8 @@ type intake struct {
 	err              error
 }
 
-func newInstruments(cfg *Config) (*telemetry.Requests, error) {
-	rq, err := telemetry.NewRequests(cfg.TracerProvider, cfg.MeterProvider,
+func newInstruments(tp trace.TracerProvider, mp metric.MeterProvider) (*telemetry.Requests, error) {
+	rq, err := telemetry.NewRequests(tp, mp,
 		MetricInboundRequests, "Inbound webhook requests, by outcome (accepted, duplicate, refused, failed) and refusal reason.",
 		MetricInboundDuration, "Duration of inbound webhook requests, from arrival to answer, storing the delivery included.")
 	if err != nil {
@@ -88,10 +91,13 @@ func newInstruments(cfg *Config) (*telemetry.Requests, error) {
 	return rq, nil
 }
 
-// attributes returns the metric attributes of a request to topic, and the
-// span's own.
+// attributes returns the metric attributes of a request to topic (none for
+// an Intake's), and the span's own.
 func (it intake) attributes(topic string) (metricAttrs, spanAttrs []attribute.KeyValue) {
-	metricAttrs = []attribute.KeyValue{telemetry.MessagingDestination.String(topic), attrOutcome.String(it.outcome)}
+	metricAttrs = []attribute.KeyValue{attrOutcome.String(it.outcome)}
+	if topic != "" {
+		metricAttrs = append(metricAttrs, telemetry.MessagingDestination.String(topic))
+	}
 	if it.refusal != "" {
 		metricAttrs = append(metricAttrs, attrRefusal.String(it.refusal))
 	}

@@ -24,7 +24,7 @@ const tokenEnv = "ONCELY_CONSOLE_TOKEN"
 // consoleCmd serves the operator console:
 //
 //	oncely console [--listen 127.0.0.1:8089] [--database-url URL] [--schema oncely] [--brokers B]
-//	               [--dlq-topic T]... [--token T] [--actions]
+//	               [--dlq-topic T]... [--token T] [--actions] [--inbox-retention D] [--sample-interval D]
 //
 // It binds to localhost unless --listen says otherwise, and refuses a
 // non-loopback address without a token.
@@ -37,6 +37,8 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	listen := fs.String("listen", "127.0.0.1:8089", "address to serve on (host:port); a non-loopback host needs --token")
 	token := fs.String("token", "", "bearer token every request must carry (env "+tokenEnv+"); open the console once with ?token=... in a browser")
 	actions := fs.Bool("actions", false, "enable actions (redrive, retry, discard, pause, resume); default read-only")
+	retention := fs.Duration("inbox-retention", 0, "the inbox cleaner's retention, shown beside the oldest inbox row (0: not shown)")
+	sample := fs.Duration("sample-interval", 15*time.Second, "how often to sample consumer lag (the overview's trend) and read new dead letters")
 	var topics refs
 	fs.Var(&topics, "dlq-topic", "dead-letter topic to show (repeatable; default every topic named *.dlq)")
 	if err := parse(fs, args, stderr); err != nil {
@@ -56,7 +58,7 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return usageErr("--listen: %s is not a loopback address: set --token (or %s) to serve beyond this machine", host, tokenEnv)
 	}
 	cfg := console.Config{Schema: db.schema, Actions: *actions, DeadLetterTopics: topics,
-		Logger: slog.New(slog.NewTextHandler(stderr, nil))}
+		InboxRetention: *retention, SampleInterval: *sample, Logger: slog.New(slog.NewTextHandler(stderr, nil))}
 	if *token != "" {
 		if cfg.Auth, err = console.BearerToken(*token); err != nil {
 			return usageErr("--token: %v", err)
@@ -88,6 +90,14 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		mode = "actions enabled"
 	}
 	fmt.Fprintf(stdout, "oncely console on http://%s/ (%s)\n", ln.Addr(), mode)
+	// The sampler stops with the server: on ctx, or when Serve fails.
+	rctx, stopRun := context.WithCancel(ctx)
+	ran := make(chan struct{})
+	go func() {
+		defer close(ran)
+		_ = h.Run(rctx) // returns nil when rctx is done; failed rounds are logged
+	}()
+	defer func() { stopRun(); <-ran }()
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {

@@ -7,15 +7,19 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"strings"
 	"text/tabwriter"
 	"time"
 	"unicode/utf8"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/natsconsumer"
 )
 
 // refs collects repeated --ref flags.
@@ -28,6 +32,8 @@ func (r *refs) Set(v string) error { *r = append(*r, v); return nil }
 type dlqFlags struct {
 	kafka        kafkaFlags
 	topic        string
+	natsURL      string // with stream: a JetStream dead-letter stream instead of a topic
+	stream       string
 	source       string
 	group        string
 	class        string
@@ -41,7 +47,9 @@ type dlqFlags struct {
 
 func (d *dlqFlags) register(fs *flag.FlagSet) {
 	d.kafka.register(fs)
-	fs.StringVar(&d.topic, "topic", "", "dead-letter topic to read (required), e.g. orders.dlq")
+	fs.StringVar(&d.topic, "topic", "", "dead-letter topic to read (this or --stream is required), e.g. orders.dlq")
+	fs.StringVar(&d.stream, "stream", "", "JetStream dead-letter stream to read instead of a Kafka topic (with --nats)")
+	fs.StringVar(&d.natsURL, "nats", cmp.Or(os.Getenv("NATS_URL"), nats.DefaultURL), "NATS server of --stream (env NATS_URL)")
 	fs.StringVar(&d.source, "source-topic", "", "only records dead-lettered from this topic")
 	fs.StringVar(&d.group, "group", "", "only records dead-lettered by this consumer group")
 	fs.StringVar(&d.class, "class", "", "only this error class: undecodable, permanent, max_attempts, panic, oversized, crash_loop")
@@ -69,8 +77,11 @@ func parseWhen(flagName, v string, now time.Time) (time.Time, error) {
 func (d *dlqFlags) filter() (dlq.Filter, error) {
 	f := dlq.Filter{SourceTopic: d.source, Group: d.group, Class: dlq.Class(d.class), MessageID: d.messageID, Refs: d.refs,
 		RefuseInvalid: !d.skipInvalid}
-	if d.topic == "" {
-		return f, usageErr("--topic: the dead-letter topic is required")
+	switch {
+	case d.topic == "" && d.stream == "":
+		return f, usageErr("--topic: the dead-letter topic (or --stream, a JetStream dead-letter stream) is required")
+	case d.topic != "" && d.stream != "":
+		return f, usageErr("--topic and --stream: give one, a Kafka topic or a JetStream stream")
 	}
 	if d.class != "" && !f.Class.Valid() {
 		return f, usageErr("--class: unknown class %q", d.class)
@@ -79,7 +90,7 @@ func (d *dlqFlags) filter() (dlq.Filter, error) {
 		var p int32
 		var o int64
 		if n, err := fmt.Sscanf(r, "%d/%d", &p, &o); err != nil || n != 2 || p < 0 || o < 0 || fmt.Sprintf("%d/%d", p, o) != r {
-			return f, usageErr("--ref: %q is not partition/offset", r)
+			return f, usageErr("--ref: %q is not partition/offset (for a JetStream stream: 0/sequence)", r)
 		}
 	}
 	now := time.Now()
@@ -97,36 +108,82 @@ func (d *dlqFlags) selective() bool {
 	return d.source != "" || d.group != "" || d.class != "" || d.messageID != "" || d.since != "" || d.until != "" || len(d.refs) > 0
 }
 
-// list reads the matching entries, with Kafka errors phrased for operators.
-func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) ([]dlq.Entry, []kgo.Opt, error) {
-	opts, err := d.kafka.opts()
-	if err != nil {
-		return nil, nil, usageErr("%v", err)
-	}
+// deadLetters is what the dlq subcommands work on: the entries read, and
+// how to redrive them to the broker they came from.
+type deadLetters struct {
+	entries []dlq.Entry
+	redrive func(context.Context, []dlq.Entry, dlq.RedriveOptions) ([]dlq.Result, error)
+	close   func()
+}
+
+// list reads the matching entries from the Kafka topic or the JetStream
+// stream, with the broker's errors phrased for operators.
+func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) (*deadLetters, error) {
 	lctx, cancel := context.WithTimeout(ctx, d.kafka.timeout)
 	defer cancel()
-	entries, err := dlq.List(lctx, opts, d.topic, f)
+	var (
+		dl          = &deadLetters{close: func() {}}
+		err         error
+		where, kind = d.topic, "topic"
+	)
+	if d.stream != "" {
+		where, kind = "stream "+d.stream, "stream"
+		nc, cerr := nats.Connect(d.natsURL, nats.Timeout(d.kafka.timeout), nats.Name("oncely dlq"))
+		if cerr != nil {
+			return nil, fmt.Errorf("cannot connect to NATS at %s: %w", d.natsURL, cerr)
+		}
+		js, jerr := jetstream.New(nc)
+		if jerr != nil {
+			nc.Close()
+			return nil, jerr
+		}
+		dl.close = nc.Close
+		dl.redrive = func(ctx context.Context, e []dlq.Entry, o dlq.RedriveOptions) ([]dlq.Result, error) {
+			return natsconsumer.Redrive(ctx, js, e, o)
+		}
+		dl.entries, err = natsconsumer.DeadLetters(lctx, js, d.stream, f)
+	} else {
+		opts, oerr := d.kafka.opts()
+		if oerr != nil {
+			return nil, usageErr("%v", oerr)
+		}
+		dl.redrive = func(ctx context.Context, e []dlq.Entry, o dlq.RedriveOptions) ([]dlq.Result, error) {
+			producer, err := kgo.NewClient(append(opts, kgo.RecordDeliveryTimeout(d.kafka.timeout))...)
+			if err != nil {
+				return nil, err
+			}
+			defer producer.Close()
+			return dlq.Redrive(ctx, producer, e, o)
+		}
+		dl.entries, err = dlq.List(lctx, opts, d.topic, f)
+		if err != nil && !errors.As(err, new(*dlq.InvalidRecordError)) {
+			err = fmt.Errorf("cannot read %s from Kafka at %s (timeout %s): %w", d.topic, d.kafka.brokers, d.kafka.timeout,
+				d.kafka.security.Explain(err))
+		}
+	}
 	if ie, ok := errors.AsType[*dlq.InvalidRecordError](err); ok {
-		return nil, nil, fmt.Errorf("%s is not a dead-letter topic: record %s has no valid dead-letter headers (%v); "+
-			"dead-letter topics are usually named %s; --skip-invalid skips such records", d.topic, ie.Ref, ie.Err, dlq.DefaultTopic("<source>"))
+		dl.close()
+		return nil, fmt.Errorf("%s is not a dead-letter %s: record %s has no valid dead-letter headers (%v); "+
+			"dead-letter topics are usually named %s, streams capture %s; --skip-invalid skips such records", where, kind,
+			ie.Ref, ie.Err, dlq.DefaultTopic("<source>"), natsconsumer.DefaultDeadLetterSubject("<subject>"))
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("cannot read %s from Kafka at %s (timeout %s): %w", d.topic, d.kafka.brokers, d.kafka.timeout,
-			d.kafka.security.Explain(err))
+		dl.close()
+		return nil, err
 	}
 	if d.skipInvalid {
-		valid := entries[:0]
-		for _, e := range entries {
+		valid := dl.entries[:0]
+		for _, e := range dl.entries {
 			if e.Err == nil {
 				valid = append(valid, e)
 			}
 		}
-		if n := len(entries) - len(valid); n > 0 {
-			fmt.Fprintf(d.stderr, "oncely: skipped %d records of %s that are not dead-letter records\n", n, d.topic)
+		if n := len(dl.entries) - len(valid); n > 0 {
+			fmt.Fprintf(d.stderr, "oncely: skipped %d records of %s that are not dead-letter records\n", n, where)
 		}
-		entries = valid
+		dl.entries = valid
 	}
-	return entries, opts, nil
+	return dl, nil
 }
 
 func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Writer) error {
@@ -142,14 +199,15 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		if err != nil {
 			return err
 		}
-		entries, _, err := d.list(ctx, f)
+		dl, err := d.list(ctx, f)
 		if err != nil {
 			return err
 		}
+		defer dl.close()
 		if *d.asJSON {
-			return printEntriesJSON(stdout, entries)
+			return printEntriesJSON(stdout, dl.entries)
 		}
-		return printTable(stdout, entries)
+		return printTable(stdout, dl.entries)
 	case "show":
 		pos, err := parseArgs(fs, args, stderr)
 		if err != nil {
@@ -163,12 +221,14 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		if err != nil {
 			return err
 		}
-		entries, _, err := d.list(ctx, f)
+		dl, err := d.list(ctx, f)
 		if err != nil {
 			return err
 		}
+		defer dl.close()
+		entries := dl.entries
 		if len(entries) == 0 {
-			return fmt.Errorf("dlq show: no record %s in %s", strings.Join(d.refs, ", "), d.topic)
+			return fmt.Errorf("dlq show: no record %s in %s", strings.Join(d.refs, ", "), cmp.Or(d.topic, "stream "+d.stream))
 		}
 		if *d.asJSON {
 			return printEntriesJSON(stdout, entries)
@@ -209,16 +269,13 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 			}
 			opts.Inbox, opts.DB = inbox, pool
 		}
-		entries, kopts, err := d.list(ctx, f)
+		dl, err := d.list(ctx, f)
 		if err != nil {
 			return err
 		}
-		producer, err := kgo.NewClient(append(kopts, kgo.RecordDeliveryTimeout(d.kafka.timeout))...)
-		if err != nil {
-			return err
-		}
-		defer producer.Close()
-		results, err := dlq.Redrive(ctx, producer, entries, opts)
+		defer dl.close()
+		entries := dl.entries
+		results, err := dl.redrive(ctx, entries, opts)
 		if *d.asJSON {
 			return cmp.Or(printRedriveJSON(stdout, results), err)
 		}

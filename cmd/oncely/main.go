@@ -15,7 +15,7 @@
 //	oncely inbox retention --retention D [--group G]
 //	oncely webhooks redrive (--subscription ID | --all-subscriptions) [--since T] [--until T] [--dry-run]
 //	oncely webhooks status|pause|resume ...
-//	oncely console [--listen 127.0.0.1:8089] [--token T] [--actions] [--dlq-topic T]...
+//	oncely console [--listen 127.0.0.1:8089] [--token T] [--actions] [--dlq-topic T]... [--inbox-retention D] [--sample-interval D]
 //
 // Every command takes --json: it then prints JSON Lines (one object per
 // row, or a single object for a summary) whose keys are snake_case.

@@ -20,10 +20,13 @@
 // A key (scope, key) is two Redis keys that share one hash tag, so they live
 // in one Redis Cluster slot and every script below touches one slot only:
 //
-//	<Prefix>{<sha256(scope, key)>}        hash: token, holder, and once recorded fp, status, hdr, body
+//	<Prefix>{<sha256(scope, key)>}        hash: token, holder, and once recorded resp (fingerprint, status, headers, body)
 //	<Prefix>{<sha256(scope, key)>}:lock   string, with PX Config.LockTTL: the key is in progress
 //
-// Each step is one Lua script, atomic in Redis:
+// A retry of a recorded key is one plain read: HGET resp, then replay (same
+// fingerprint) or 422. A recorded response never changes until it expires,
+// so the read needs no script. Every other step is one Lua script, atomic in
+// Redis:
 //
 //	claim   recorded response?        -> replay (same fingerprint) or 422
 //	        SET lock NX PX LockTTL fails? -> 409 with Retry-After
@@ -31,7 +34,7 @@
 //	handler runs; every Config.Heartbeat:
 //	extend  holder still ours?        -> SET lock holder PX LockTTL   (else: the handler's context is cancelled)
 //	record  holder still ours and nothing recorded?
-//	                                  -> HSET fp status hdr body (expiring TTL after the claim, at least LockTTL); DEL lock
+//	                                  -> HSET resp (expiring TTL after the claim, at least LockTTL); DEL lock
 //	        else                      -> nothing stored; the client gets 409 and its retry the newer response
 //	release (5xx, a status StoreStatus refuses, a panic, a failed record)
 //	        holder still ours and nothing recorded? -> DEL lock
@@ -92,19 +95,18 @@
 //
 // Package webhook's Receiver stores each delivery in the outbox, in
 // Postgres, and the consumer's inbox deduplicates by the delivery id. An
-// intake without Postgres can put this store in front of its own handler
-// with the delivery id as the key: wrap the handler in a small middleware
-// that copies the provider's id (webhook-id, Stripe's event id,
-// X-GitHub-Delivery) into the Idempotency-Key header after the signature is
-// verified, then the Require middleware. A redelivery then replays the
-// first 2xx, a concurrent one gets 409 (providers retry it), and the windows
-// above apply: the processing must pass the delivery id on to whatever it
-// calls.
+// intake without Postgres is a webhook.Intake on this store: it verifies
+// the signature, then runs its handler through the middleware with the
+// provider's delivery id (webhook-id, Stripe's event id, X-GitHub-Delivery)
+// as the key. A redelivery then replays the first answer below 500, a
+// concurrent one gets 409 (providers retry it), and the windows above
+// apply: the processing must pass the delivery id on to whatever it calls.
 //
 // # Costs
 //
-// A first request costs two round trips (claim, record) plus one heartbeat
-// per Config.Heartbeat while the handler runs; a replay costs one. Scripts
+// A first request costs three round trips (a read that finds no response,
+// the claim, the record) plus one heartbeat per Config.Heartbeat while the
+// handler runs; a replay costs one plain read (HGET). Scripts
 // are sent by SHA (EVALSHA) after their first use. Responses are kept in
 // Redis memory for idempotency.Config.TTL (default 24 h): size Redis for
 // the request rate times the TTL times the response size. Redis expires the

@@ -1,12 +1,9 @@
 package redisstore_test
 
 import (
-	"bytes"
 	"encoding/json"
-	"io"
 	"log"
 	"net/http"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -64,34 +61,10 @@ func Example() {
 	log.Fatal(http.ListenAndServe(":8080", nil))
 }
 
-// deliveryKey is the front of a webhook intake without Postgres: it verifies
-// the provider's signature on the raw body, then makes the delivery id the
-// request's Idempotency-Key, scoped to the provider, so that the Redis store
-// runs each delivery once and replays its answer to redeliveries. Requests
-// whose signature fails are refused before anything is claimed.
-func deliveryKey(v webhook.Verifier, maxBody int64) func(http.Handler) http.Handler {
-	return func(next http.Handler) http.Handler {
-		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBody))
-			if err != nil {
-				http.Error(w, "body too large or unreadable", http.StatusRequestEntityTooLarge)
-				return
-			}
-			d, err := v.Verify(r, body, time.Now())
-			if err != nil {
-				http.Error(w, "webhook: "+err.Error(), http.StatusUnauthorized)
-				return
-			}
-			r.Body = io.NopCloser(bytes.NewReader(body))
-			r.Header.Set(idempotency.DefaultHeader, d.ID)
-			next.ServeHTTP(w, r.WithContext(idempotency.WithClient(r.Context(), d.Provider)))
-		})
-	}
-}
-
 // Example_webhookIntake receives Standard Webhooks deliveries and processes
-// each once, with Redis and without Postgres: deliveryKey in front of the
-// middleware's Require. A redelivery gets the first 2xx replayed; one that
+// each once, with Redis and without Postgres: a webhook.Intake verifies each
+// request, then runs it through the middleware with the delivery id as its
+// key. A redelivery gets the first answer below 500 replayed; one that
 // races the first gets 409 and the provider retries it. The processing
 // should pass the delivery id on to whatever it calls (see the package
 // documentation's windows).
@@ -108,11 +81,17 @@ func Example_webhookIntake() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	process := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_, deliveryID, _ := idempotency.Key(r.Context())
-		_ = deliveryID // pass it on as the idempotency key of the calls this delivery makes
-		w.WriteHeader(http.StatusNoContent)
+	intake, err := webhook.NewIntake(webhook.IntakeConfig{
+		Verifier: verifier, Idempotency: mw,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			_, deliveryID, _ := idempotency.Key(r.Context())
+			_ = deliveryID // pass it on as the idempotency key of the calls this delivery makes
+			w.WriteHeader(http.StatusNoContent)
+		}),
 	})
-	http.Handle("POST /webhooks", deliveryKey(verifier, 1<<20)(mw.Require(process)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	http.Handle("POST /webhooks", intake)
 	log.Fatal(http.ListenAndServe(":8080", nil))
 }

@@ -80,29 +80,38 @@ func New(rdb redis.UniversalClient, cfg Config) (*Store, error) {
 // the fencing token, the holder and, once recorded, the response) and the
 // lock. Both carry the same hash tag, so they share a Cluster slot.
 func (s *Store) Keys(scope, key string) (record, lock string) {
-	h := sha256.New()
-	var n [binary.MaxVarintLen64]byte
-	h.Write(n[:binary.PutUvarint(n[:], uint64(len(scope)))])
-	h.Write([]byte(scope))
-	h.Write([]byte(key))
-	tag := "{" + hex.EncodeToString(h.Sum(nil)) + "}"
-	return s.cfg.Prefix + tag, s.cfg.Prefix + tag + ":lock"
+	record = s.record(scope, key)
+	return record, record + lockSuffix
+}
+
+const lockSuffix = ":lock"
+
+// record returns the record's key: Prefix, then the hash tag, the hex
+// SHA-256 of the scope's length, the scope and the key.
+func (s *Store) record(scope, key string) string {
+	var buf [256]byte // short scopes and keys are hashed from the stack
+	b := binary.AppendUvarint(buf[:0], uint64(len(scope)))
+	b = append(append(b, scope...), key...)
+	sum := sha256.Sum256(b)
+	k := make([]byte, 0, len(s.cfg.Prefix)+2+2*len(sum))
+	k = append(k, s.cfg.Prefix...)
+	k = append(hex.AppendEncode(append(k, '{'), sum[:]), '}')
+	return string(k)
 }
 
 // The scripts. KEYS[1] is the record hash, KEYS[2] the lock. The record's
 // fields: token (the fencing counter, incremented by every claim), holder
-// (the token and nonce of the latest claim), and once recorded fp, status,
-// hdr, body. The record expires TTL after the claim (the record script
-// keeps that expiry), or LockTTL after the last heartbeat if the handler
-// outlives the TTL.
+// (the token and nonce of the latest claim), and once recorded resp (the
+// response: encodeResponse). The record expires TTL after the claim (the
+// record script keeps that expiry), or LockTTL after the last heartbeat if
+// the handler outlives the TTL.
 var (
-	// claim: ARGV lock ms, ttl ms, nonce. Returns {2, fp, status, hdr,
-	// body} (stored), {1} (busy) or {3, holder} (claimed). The lock is
-	// taken with SET NX before the token is drawn, so a busy key costs no
-	// token.
+	// claim: ARGV lock ms, ttl ms, nonce. Returns {2, resp} (stored), {1}
+	// (busy) or {3, holder} (claimed). The lock is taken with SET NX
+	// before the token is drawn, so a busy key costs no token.
 	claimScript = redis.NewScript(`
-local r = redis.call('HMGET', KEYS[1], 'status', 'fp', 'hdr', 'body')
-if r[1] then return {2, r[2], r[1], r[3], r[4]} end
+local r = redis.call('HGET', KEYS[1], 'resp')
+if r then return {2, r} end
 if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[1]) then return {1} end
 local holder = redis.call('HINCRBY', KEYS[1], 'token', 1) .. ':' .. ARGV[3]
 redis.call('HSET', KEYS[1], 'holder', holder)
@@ -114,39 +123,49 @@ return {3, holder}
 	// ours or lapsed, never another's: every claim sets the holder), and
 	// keeps the record alive at least as long.
 	extendScript = redis.NewScript(`
-local h = redis.call('HMGET', KEYS[1], 'holder', 'status')
+local h = redis.call('HMGET', KEYS[1], 'holder', 'resp')
 if h[1] ~= ARGV[1] or h[2] then return 0 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 1
 `)
-	// record: ARGV holder, fp, status, hdr, body. Stores the response only
-	// for the latest claim (the fencing check), keeping the expiry the
-	// claim set, and frees the lock (ours or lapsed, as above).
+	// record: ARGV holder, resp. Stores the response only for the latest
+	// claim (the fencing check), keeping the expiry the claim set, and
+	// frees the lock (ours or lapsed, as above).
 	recordScript = redis.NewScript(`
-local h = redis.call('HMGET', KEYS[1], 'holder', 'status')
+local h = redis.call('HMGET', KEYS[1], 'holder', 'resp')
 if h[1] ~= ARGV[1] or h[2] then return 0 end
-redis.call('HSET', KEYS[1], 'fp', ARGV[2], 'status', ARGV[3], 'hdr', ARGV[4], 'body', ARGV[5])
+redis.call('HSET', KEYS[1], 'resp', ARGV[2])
 redis.call('DEL', KEYS[2])
 return 1
 `)
 	// release: ARGV holder. Frees the lock of an unrecorded claim that is
 	// still the latest one.
 	releaseScript = redis.NewScript(`
-local h = redis.call('HMGET', KEYS[1], 'holder', 'status')
+local h = redis.call('HMGET', KEYS[1], 'holder', 'resp')
 if h[1] ~= ARGV[1] or h[2] then return 0 end
 redis.call('DEL', KEYS[2])
 return 1
 `)
 )
 
-// Claim implements idempotency.Store in one round trip: the response if
-// one is recorded, else busy if the lock is held, else a new fencing token
-// and the lock, atomically.
+// Claim implements idempotency.Store. A recorded response never changes
+// until it expires (the record script stores one only where none is), so a
+// plain read answers a replay: one HGET, no script (a script call costs
+// Redis several times a read's work). Only a key without a response runs
+// the claim script, which checks again, atomically: the response if one was
+// recorded meanwhile, else busy if the lock is held, else a new fencing
+// token and the lock.
 func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl time.Duration) (idempotency.Claim, error) {
-	record, lock := s.Keys(scope, key)
+	record := s.record(scope, key)
+	switch resp, err := s.rdb.HGet(ctx, record, "resp").Bytes(); {
+	case err == nil:
+		return s.stored(record, resp)
+	case !errors.Is(err, redis.Nil):
+		return idempotency.Claim{}, fmt.Errorf("redisstore: read: %w", err)
+	}
 	nonce := strconv.FormatUint(rand.Uint64(), 36) // unique, not secret
-	res, err := claimScript.Run(ctx, s.rdb, []string{record, lock}, s.lockMS, ttl.Milliseconds(), nonce).Slice()
+	res, err := claimScript.Run(ctx, s.rdb, []string{record, record + lockSuffix}, s.lockMS, ttl.Milliseconds(), nonce).Slice()
 	if err != nil {
 		return idempotency.Claim{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
@@ -154,17 +173,23 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 	switch {
 	case state == 1:
 		return idempotency.Claim{State: idempotency.ClaimBusy}, nil
-	case state == 2 && len(res) == 5:
-		stored, err := decodeStored(res[1:])
-		if err != nil {
-			return idempotency.Claim{}, fmt.Errorf("redisstore: claim: corrupt record %s: %w", record, err)
-		}
-		return idempotency.Claim{State: idempotency.ClaimStored, Stored: stored}, nil
+	case state == 2 && len(res) == 2:
+		resp, _ := res[1].(string)
+		return s.stored(record, []byte(resp))
 	case state == 3 && len(res) == 2:
 		holder, _ := res[1].(string)
-		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, keys: []string{record, lock}, holder: holder}}, nil
+		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, keys: []string{record, record + lockSuffix}, holder: holder}}, nil
 	}
 	return idempotency.Claim{}, fmt.Errorf("redisstore: claim: unexpected reply %v", res)
+}
+
+// stored returns the claim of the recorded response resp.
+func (s *Store) stored(record string, resp []byte) (idempotency.Claim, error) {
+	stored, err := decodeResponse(resp)
+	if err != nil {
+		return idempotency.Claim{}, fmt.Errorf("redisstore: corrupt record %s: %w", record, err)
+	}
+	return idempotency.Claim{State: idempotency.ClaimStored, Stored: stored}, nil
 }
 
 // lease is a claimed key: its holder token, and the heartbeat that keeps
@@ -247,7 +272,7 @@ func (l *lease) Failed() bool { return false }
 
 func (l *lease) Record(ctx context.Context, r idempotency.StoredResponse) error {
 	l.halt()
-	ok, err := recordScript.Run(ctx, l.s.rdb, l.keys, l.holder, r.Fingerprint, r.Status, encodeHeaders(r.Names, r.Values), r.Body).Int()
+	ok, err := recordScript.Run(ctx, l.s.rdb, l.keys, l.holder, encodeResponse(r)).Int()
 	switch {
 	case err != nil:
 		return fmt.Errorf("redisstore: record: %w", err)
@@ -273,58 +298,53 @@ func (l *lease) Release(ctx context.Context) {
 	}
 }
 
-// encodeHeaders packs (name, value) pairs as uvarint-length-prefixed
-// strings, so that any byte of a value survives.
-func encodeHeaders(names, values []string) []byte {
-	var b []byte
-	for i := range names {
-		b = binary.AppendUvarint(b, uint64(len(names[i])))
-		b = append(b, names[i]...)
-		b = binary.AppendUvarint(b, uint64(len(values[i])))
-		b = append(b, values[i]...)
+// encodeResponse packs a response as one value, so that a replay is one
+// read of one field: its fingerprint, status, headers' names and values, and
+// body, each a uvarint length and its bytes (any byte of a value survives).
+// The status comes first, so that decodeResponse refuses a record of
+// another layout early.
+func encodeResponse(r idempotency.StoredResponse) []byte {
+	b := appendField(nil, strconv.Itoa(r.Status))
+	b = appendField(b, string(r.Fingerprint))
+	b = appendField(b, string(r.Body))
+	for i := range r.Names {
+		b = appendField(b, r.Names[i])
+		b = appendField(b, r.Values[i])
 	}
 	return b
 }
 
-func decodeHeaders(b []byte) (names, values []string, err error) {
-	names, values = []string{}, []string{}
-	next := func() (string, bool) {
+func appendField(b []byte, s string) []byte {
+	b = binary.AppendUvarint(b, uint64(len(s)))
+	return append(b, s...)
+}
+
+// decodeResponse reads what encodeResponse wrote.
+func decodeResponse(b []byte) (idempotency.StoredResponse, error) {
+	next := func() ([]byte, bool) {
 		n, k := binary.Uvarint(b)
 		if k <= 0 || uint64(len(b)-k) < n {
-			return "", false
+			return nil, false
 		}
-		s := string(b[k : k+int(n)])
+		f := b[k : k+int(n) : k+int(n)]
 		b = b[k+int(n):]
-		return s, true
+		return f, true
 	}
+	st, ok1 := next()
+	fp, ok2 := next()
+	body, ok3 := next()
+	status, err := strconv.Atoi(string(st))
+	if !ok1 || !ok2 || !ok3 || err != nil || status < 100 || status > 999 {
+		return idempotency.StoredResponse{}, errors.New("bad response encoding")
+	}
+	r := idempotency.StoredResponse{Fingerprint: fp, Status: status, Names: []string{}, Values: []string{}, Body: body}
 	for len(b) > 0 {
 		name, ok1 := next()
 		value, ok2 := next()
 		if !ok1 || !ok2 {
-			return nil, nil, errors.New("bad header encoding")
+			return idempotency.StoredResponse{}, errors.New("bad header encoding")
 		}
-		names, values = append(names, name), append(values, value)
+		r.Names, r.Values = append(r.Names, string(name)), append(r.Values, string(value))
 	}
-	return names, values, nil
-}
-
-// decodeStored reads the claim script's {fp, status, hdr, body}.
-func decodeStored(f []any) (idempotency.StoredResponse, error) {
-	var str [4]string
-	for i, v := range f {
-		s, ok := v.(string)
-		if !ok {
-			return idempotency.StoredResponse{}, fmt.Errorf("field %d is %T", i, v)
-		}
-		str[i] = s
-	}
-	status, err := strconv.Atoi(str[1])
-	if err != nil || status < 100 {
-		return idempotency.StoredResponse{}, fmt.Errorf("status %q", str[1])
-	}
-	names, values, err := decodeHeaders([]byte(str[2]))
-	if err != nil {
-		return idempotency.StoredResponse{}, err
-	}
-	return idempotency.StoredResponse{Fingerprint: []byte(str[0]), Status: status, Names: names, Values: values, Body: []byte(str[3])}, nil
+	return r, nil
 }

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"reflect"
 	"strconv"
 	"strings"
 	"sync"
@@ -420,8 +421,8 @@ func TestNewValidates(t *testing.T) {
 	}
 }
 
-// TestWebhookIntakeOnce: a webhook intake without Postgres (deliveryKey of
-// Example_webhookIntake in front of Require): 25 concurrent copies of one
+// TestWebhookIntakeOnce: a webhook intake without Postgres (webhook.Intake
+// on the Redis store, as Example_webhookIntake): 25 concurrent copies of one
 // signed delivery are processed once, the others get 409 or the replayed
 // 204; a redelivery later gets the replay; a bad signature is refused
 // before anything is claimed.
@@ -437,10 +438,14 @@ func TestWebhookIntakeOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	var processed atomic.Int32
-	h := deliveryKey(verifier, 1<<20)(m.Require(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		processed.Add(1)
-		w.WriteHeader(http.StatusNoContent)
-	})))
+	h, err := webhook.NewIntake(webhook.IntakeConfig{Verifier: verifier, Idempotency: m,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			processed.Add(1)
+			w.WriteHeader(http.StatusNoContent)
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 
@@ -518,8 +523,12 @@ func TestRecordExpiresWithTTL(t *testing.T) {
 	ctx := context.Background()
 	record, lock := s.Keys("c", key)
 	fields, err := rdb.HGetAll(ctx, record).Result()
-	if err != nil || fields["status"] != "201" || fields["body"] != "run-1" || len(fields["fp"]) != 32 {
-		t.Fatalf("record %v, %v: want status, body and a 32-byte fingerprint together", fields, err)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stored, err := redisstore.DecodeResponse([]byte(fields["resp"]))
+	if err != nil || stored.Status != http.StatusCreated || string(stored.Body) != "run-1" || len(stored.Fingerprint) != 32 {
+		t.Fatalf("record %q: %+v, %v: want status, body and a 32-byte fingerprint together", fields, stored, err)
 	}
 	if ttl := rdb.PTTL(ctx, record).Val(); ttl <= 59*time.Minute || ttl > time.Hour {
 		t.Errorf("record expires in %s, want the TTL (1h) counted from the claim", ttl)
@@ -533,5 +542,31 @@ func TestRecordExpiresWithTTL(t *testing.T) {
 	waitGone(t, rdb, record)
 	if r := post(t, srv, key, "{}"); r.status != http.StatusCreated || r.body != "run-2" || r.header.Get(idempotency.ReplayedHeader) != "" {
 		t.Fatalf("after the record expired: %s, want a fresh run-2", r)
+	}
+}
+
+// TestResponseEncodingRoundTrips: a recorded response comes back byte for
+// byte, whatever bytes its fingerprint, headers and body hold, and a value
+// of another layout is refused rather than replayed wrongly.
+func TestResponseEncodingRoundTrips(t *testing.T) {
+	want := idempotency.StoredResponse{
+		Fingerprint: []byte{0, 1, 2, 0xff, 0},
+		Status:      http.StatusAccepted,
+		Names:       []string{"Content-Type", "X-Empty", "X-Bin"},
+		Values:      []string{"application/json", "", "a\x00b\xffc"},
+		Body:        []byte("\x00{\"ok\":true}\xff"),
+	}
+	got, err := redisstore.DecodeResponse(redisstore.EncodeResponse(want))
+	if err != nil || !reflect.DeepEqual(got, want) {
+		t.Fatalf("round trip: %+v, %v; want %+v", got, err, want)
+	}
+	empty := idempotency.StoredResponse{Fingerprint: []byte{}, Status: http.StatusNoContent, Names: []string{}, Values: []string{}, Body: []byte{}}
+	if got, err := redisstore.DecodeResponse(redisstore.EncodeResponse(empty)); err != nil || !reflect.DeepEqual(got, empty) {
+		t.Fatalf("empty round trip: %+v, %v", got, err)
+	}
+	for _, bad := range []string{"", "201", "\x03201", "\x0399x\x00\x00", "\x03201\x00\x00\x05Name"} {
+		if got, err := redisstore.DecodeResponse([]byte(bad)); err == nil {
+			t.Errorf("decode %q = %+v, want an error", bad, got)
+		}
 	}
 }

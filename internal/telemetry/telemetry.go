@@ -30,10 +30,14 @@ const (
 	MessagingPartition     = attribute.Key("messaging.destination.partition.id")
 	MessagingKafkaOffset   = attribute.Key("messaging.kafka.offset")
 	MessagingKafkaKey      = attribute.Key("messaging.kafka.message.key")
-	MessagingConsumerGroup = attribute.Key("messaging.consumer.group.name")
-	MessagingMessageID     = attribute.Key("messaging.message.id")
-	MessagingBatchCount    = attribute.Key("messaging.batch.message_count")
-	ErrorType              = attribute.Key("error.type")
+	// RabbitMQ's own: the routing key a message was published with, and
+	// the delivery tag of its delivery.
+	MessagingRabbitMQRoutingKey  = attribute.Key("messaging.rabbitmq.destination.routing_key")
+	MessagingRabbitMQDeliveryTag = attribute.Key("messaging.rabbitmq.message.delivery_tag")
+	MessagingConsumerGroup       = attribute.Key("messaging.consumer.group.name")
+	MessagingMessageID           = attribute.Key("messaging.message.id")
+	MessagingBatchCount          = attribute.Key("messaging.batch.message_count")
+	ErrorType                    = attribute.Key("error.type")
 
 	// HTTP semantic conventions, for the HTTP middleware and receivers.
 	HTTPRequestMethod      = attribute.Key("http.request.method")

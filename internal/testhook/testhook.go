@@ -23,6 +23,10 @@ type Consumer struct {
 	// AfterDeadLetter runs after a record's dead-letter produce was
 	// acknowledged and the inbox recorded it, before its offset is marked.
 	AfterDeadLetter func(rec *kgo.Record) error
+	// AfterRetryCopy runs where a broker source hands a failed record back
+	// as a copy (package rabbitconsumer's retry queue): after the copy was
+	// confirmed, before the original is acknowledged.
+	AfterRetryCopy func(rec *kgo.Record) error
 }
 
 type consumerKey struct{}

@@ -50,33 +50,55 @@ func Each(ctx context.Context, opts []kgo.Opt, topic string, fn func(*kgo.Record
 		return fmt.Errorf("client: %w", err)
 	}
 	defer admin.Close()
-	adm := kadm.NewClient(admin)
-	starts, err := adm.ListStartOffsets(ctx, topic)
+	starts, ends, err := Offsets(ctx, kadm.NewClient(admin), topic)
+	if err != nil {
+		return err
+	}
+	return Range(ctx, opts, topic, starts, ends, fn)
+}
+
+// Offsets returns each partition's start and end offset.
+func Offsets(ctx context.Context, adm *kadm.Client, topic string) (starts, ends map[int32]int64, err error) {
+	ls, err := adm.ListStartOffsets(ctx, topic)
 	if err == nil {
-		err = starts.Error()
+		err = ls.Error()
 	}
 	if err != nil {
-		return fmt.Errorf("list start offsets of %s: %w", topic, err)
+		return nil, nil, fmt.Errorf("list start offsets of %s: %w", topic, err)
 	}
-	ends, err := adm.ListEndOffsets(ctx, topic)
+	le, err := adm.ListEndOffsets(ctx, topic)
 	if err == nil {
-		err = ends.Error()
+		err = le.Error()
 	}
 	if err != nil {
-		return fmt.Errorf("list end offsets of %s: %w", topic, err)
+		return nil, nil, fmt.Errorf("list end offsets of %s: %w", topic, err)
 	}
-	from := map[int32]kgo.Offset{}
+	starts, ends = map[int32]int64{}, map[int32]int64{}
+	ls.Each(func(o kadm.ListedOffset) { starts[o.Partition] = o.Offset })
+	le.Each(func(o kadm.ListedOffset) { ends[o.Partition] = o.Offset })
+	return starts, ends, nil
+}
+
+// Range calls fn with every record of topic from offset from[p] up to, not
+// including, to[p], for each partition p of to (from a missing from[p]: the
+// partition's start), in offset order within a partition. Offsets missing
+// from the log (compacted, or a transaction marker) count as read: a
+// partition is done at its first record at or beyond to[p]. It stops at the
+// first error of fn and returns it.
+func Range(ctx context.Context, opts []kgo.Opt, topic string, from, to map[int32]int64, fn func(*kgo.Record) error) error {
+	at := map[int32]kgo.Offset{}
 	remaining := map[int32]int64{} // partition -> end offset still to reach
-	starts.Each(func(o kadm.ListedOffset) {
-		if end, ok := ends.Lookup(topic, o.Partition); ok && end.Offset > o.Offset {
-			from[o.Partition] = kgo.NewOffset().At(o.Offset)
-			remaining[o.Partition] = end.Offset
+	for p, end := range to {
+		start := from[p]
+		if end > start {
+			at[p] = kgo.NewOffset().At(start)
+			remaining[p] = end
 		}
-	})
+	}
 	if len(remaining) == 0 {
 		return nil
 	}
-	cl, err := kgo.NewClient(append(slices.Clone(opts), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}),
+	cl, err := kgo.NewClient(append(slices.Clone(opts), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: at}),
 		kgo.KeepControlRecords())...)
 	if err != nil {
 		return fmt.Errorf("client: %w", err)
@@ -95,7 +117,11 @@ func Each(ctx context.Context, opts []kgo.Opt, topic string, fn func(*kgo.Record
 		var stop error
 		fetches.EachRecord(func(r *kgo.Record) {
 			end, ok := remaining[r.Partition]
-			if stop != nil || !ok || r.Offset >= end {
+			if stop != nil || !ok {
+				return
+			}
+			if r.Offset >= end {
+				delete(remaining, r.Partition)
 				return
 			}
 			if !r.Attrs.IsControl() {

@@ -1,0 +1,93 @@
+package natsconsumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/dlq"
+)
+
+// DeadLetters reads the dead-letter stream from its first message to the
+// last one stored when it starts, and returns the entries that match f
+// (dlq.Entries; with f.RefuseInvalid, an *dlq.InvalidRecordError for a
+// message that is not a dead letter): the tools of package dlq, and `oncely dlq --nats`, on a
+// JetStream dead-letter stream. An entry's Record is its dead-letter
+// message: Topic its subject, Partition 0, Offset its stream sequence, so
+// its Ref is subject/0/sequence and f.Refs may name it as 0/sequence. It
+// reads through an ordered consumer, which acknowledges nothing and leaves
+// the stream as it was.
+func DeadLetters(ctx context.Context, js jetstream.JetStream, stream string, f dlq.Filter) ([]dlq.Entry, error) {
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		return nil, fmt.Errorf("natsconsumer: dead-letter stream %q: %w", stream, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("natsconsumer: dead-letter stream %q: %w", stream, err)
+	}
+	last := info.State.LastSeq
+	if info.State.Msgs == 0 {
+		return nil, nil
+	}
+	oc, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{DeliverPolicy: jetstream.DeliverAllPolicy})
+	if err != nil {
+		return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+	}
+	var recs []*kgo.Record
+	for {
+		batch, err := oc.Fetch(500, jetstream.FetchMaxWait(time.Second))
+		if err != nil {
+			return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+		}
+		got := 0
+		for m := range batch.Messages() {
+			got++
+			md, err := m.Metadata()
+			if err != nil {
+				return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+			}
+			recs = append(recs, record(m, md))
+			if md.Sequence.Stream >= last || md.NumPending == 0 {
+				return dlq.Entries(recs, f)
+			}
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
+			return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+		}
+		if got == 0 { // the messages up to last were deleted meanwhile?
+			if ci, err := oc.Info(ctx); err == nil && ci.NumPending == 0 {
+				return dlq.Entries(recs, f)
+			}
+		}
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+		}
+	}
+}
+
+// Redrive publishes entries (of DeadLetters) back to their source subjects
+// (or opts.ToTopic) as dlq.RedriveWith does: each after recording its
+// redrive grant in opts.Inbox, each waiting for its PubAck. A redriven
+// message carries its dedup id in the opts.IDHeader header (default
+// "message-id": set it to the consumer's Config.MessageIDHeader) and no
+// Nats-Msg-Id, so JetStream's duplicate window, which still holds the
+// original's id for a while, does not drop it; its Offset in the results is
+// the stream sequence it was stored at.
+func Redrive(ctx context.Context, js jetstream.JetStream, entries []dlq.Entry, opts dlq.RedriveOptions) ([]dlq.Result, error) {
+	return dlq.RedriveWith(ctx, func(ctx context.Context, rec *kgo.Record) error {
+		m := message(rec)
+		m.Header.Del(nats.MsgIdHdr) // the dead-letter copy's own
+		ack, err := js.PublishMsg(ctx, m)
+		if err != nil {
+			return fmt.Errorf("natsconsumer: publish to %s: %w", rec.Topic, err)
+		}
+		rec.Offset = int64(ack.Sequence)
+		return nil
+	}, entries, opts)
+}

@@ -1,0 +1,155 @@
+// Package rabbitconsumer consumes RabbitMQ queues (with the amqp091-go
+// client) so that the handler's effects happen once per (Group, message
+// id), although RabbitMQ delivers at least once. It runs consumer's record
+// path (consumer.Deliver): the same transaction, inbox claim, failure
+// classification, backoff, dead-letter decision, spans and metrics as the
+// Kafka consumer and package natsconsumer; only fetching, acknowledging,
+// waiting between attempts and dead-letter publishing are RabbitMQ's.
+//
+// # What is guaranteed
+//
+// For each delivery:
+//
+//  1. BEGIN; INSERT the message id into the inbox (first statement, ON
+//     CONFLICT DO NOTHING); an id already there skips the handler; else
+//     the Handler runs in the transaction; COMMIT.
+//  2. Only after COMMIT is the message acknowledged (basic.ack). A crash or
+//     a lost connection between COMMIT and the ack makes RabbitMQ deliver
+//     the message again; its id is in the inbox, so the handler does not
+//     run again. That redelivery is the one window in which a message is
+//     delivered twice; its effect never happens twice.
+//  3. A failure that is the message's or its handler's (an error, a panic,
+//     a constraint error, a handler timeout) rolls back and runs again
+//     after a backoff (exponential, full jitter), through the retry queue,
+//     up to MaxAttempts; then, or at once for dlq.Permanent and
+//     dlq.Undecodable errors, the message is dead-lettered.
+//  4. Contention (deadlock, serialization failure, lock timeout) and an
+//     unreachable database retry in place, spending no attempt.
+//  5. A dead letter is published to DeadLetterExchange with the routing key
+//     DeadLetterRoutingKey(queue) (by default the queue "<queue>.dlq"
+//     through the default exchange), persistent and mandatory, with the
+//     message's body, properties and headers, package dlq's headers (group,
+//     message id, attempts, error class, error, trace context) and the
+//     provenance headers HeaderQueue, HeaderExchange, HeaderRoutingKey,
+//     HeaderDeliveryTag, HeaderRedelivered and HeaderDeliveryCount. Only
+//     after RabbitMQ's publisher confirmation is the id recorded in the
+//     inbox as dead-lettered and the original acknowledged. A dead letter
+//     that is not confirmed, or that no queue takes (basic.return), is
+//     published again with backoff while the message waits: it is never
+//     dropped. A crash between the confirmation and the ack leaves one
+//     copy: the redelivery finds the id dead-lettered in the inbox and is
+//     acknowledged without a second copy.
+//
+// The dedup id is the message_id property, else the Config.MessageIDHeader
+// header. RabbitMQ gives a message no other identity that survives a
+// redelivery (a delivery tag is the channel's, and changes), so a message
+// with neither is dead-lettered at once (class undecodable) with an error
+// that says so, never run without the guarantee. The scope is the Group:
+// two Groups process a message independently.
+//
+// # Retries without blocking the queue
+//
+// RabbitMQ has no delayed redelivery of its own, and a failed message must
+// neither block the queue while it waits nor be blamed for deaths it did
+// not cause. Two ways were weighed:
+//
+//   - Keep the failed message unacknowledged in the process, on a timer,
+//     while others run. Nothing is published, but the message holds a
+//     prefetch place while it waits, so Prefetch must exceed Concurrency for
+//     the queue to flow; and then messages wait, delivered but not started,
+//     whenever the places to run are full. A quorum queue counts
+//     deliveries, not runs: when a message kills the process, every message
+//     delivered to it is counted, and after MaxAttempts deaths the
+//     innocent ones behind it would be dead-lettered as a crash loop with
+//     it.
+//   - Hand the message back through a retry queue (chosen): a copy, with
+//     HeaderAttempts the attempts spent, is published to RetryQueue(queue)
+//     with the backoff as its expiration, and the original is
+//     acknowledged once the copy is confirmed. The retry queue has no
+//     consumer and dead-letters expired messages back to the queue. The
+//     message waits durably in RabbitMQ, holding no place, so Prefetch can
+//     stay at Concurrency (the default): every message delivered runs at
+//     once, and a process's death is counted only against the messages it
+//     was running. The costs: a publish with a confirmation per retry; a
+//     crash between the confirmation and the ack leaves the original to be
+//     delivered again beside the copy, and the inbox lets only one apply;
+//     and per-message expirations end only at the head of a queue, so a
+//     retry may come later than its backoff (never sooner), by at most
+//     RetryMaxDelay. When the copy cannot be published, the message waits
+//     in the process instead, in its place, and runs again there.
+//
+// Run declares each retry queue: a quorum queue (replicated) that
+// dead-letters expired copies to the queue through the default exchange
+// with the at-least-once strategy (RabbitMQ drops a copy only once the
+// queue confirmed it; by default dead-lettering is at most once), which
+// needs the reject-publish overflow. One that exists with other arguments
+// fails Run, naming it. Keep RetryMaxDelay under RabbitMQ's
+// consumer_timeout (30 minutes by default) all the same: a message held
+// longer by a slow handler closes its channel.
+//
+// # Attempts across crashes: use quorum queues
+//
+// Attempts that fail are counted in the retry copies (HeaderAttempts).
+// Attempts that end with the process (os.Exit, the OOM killer, a panic in
+// a goroutine the handler started) or with its connection are counted by
+// the queue: a quorum queue's x-delivery-count header says how many times
+// the message was delivered before (from RabbitMQ 4.3, whose
+// x-delivery-count counts only the returns taken for failures, so does its
+// x-acquired-count header: the larger is taken). Each such delivery counts
+// as an attempt (Source.Spent): the consumer never returns a message to
+// its queue itself, so an earlier delivery is one that ended without a
+// verdict. A delivery that comes after MaxAttempts of them is dead-lettered
+// as class crash_loop without running, unless the inbox shows it finished
+// (processed, or dead-lettered) and only its ack was lost. A classic queue
+// counts nothing (only the redelivered flag): there a message that kills
+// every process is delivered again without limit, and the consumer warns
+// once per queue when it sees a redelivery without the header. Consume
+// quorum queues (x-queue-type quorum); a quorum queue's delivery-limit
+// argument is a further broker-side backstop.
+//
+// # Connections
+//
+// The Consumer owns its connection (Config.URL, or Config.Dial): one
+// channel consumes every queue, one in confirm mode publishes retry copies
+// and dead letters.
+// When the connection or a channel closes, the unacknowledged messages go
+// back to their queues (RabbitMQ's doing) and the Consumer dials again with
+// backoff (up to ReconnectMaxDelay), checks the queues again and resumes;
+// meanwhile NotReady says RabbitMQ is not connected. Attempts in progress
+// at the loss finish their transactions; their acks fail, and the
+// redeliveries are recognised by the inbox. Run fails at start-up, naming
+// what is missing, when the inbox table is not migrated
+// (consumer.ErrNotMigrated), a queue does not exist, a retry queue exists
+// with other arguments, or the dead-letter destination does not exist (the dead-letter queue, or DeadLetterExchange
+// when set; whether a queue is bound to it shows only at the first dead
+// letter, which is mandatory and waits until one is). RabbitMQ unreachable
+// at start-up is waited for.
+//
+// Trace context travels in the AMQP headers traceparent and tracestate;
+// each attempt is a "process <queue>" CONSUMER span with
+// messaging.system=rabbitmq, messaging.destination.name the queue,
+// messaging.rabbitmq.destination.routing_key and
+// messaging.rabbitmq.message.delivery_tag, linked to (and, unless
+// UntrustedProducers, parented by) the producer's context.
+//
+// # The outbox relay
+//
+// Publisher is an outbox.RelayConfig.Publisher: the relay publishes
+// committed outbox rows to an exchange (the row's topic is the routing
+// key), one after another, each after the previous publisher confirmation,
+// persistent and mandatory (a row that no queue takes is an error and
+// stays pending, not a silent drop), with the message_id property set to
+// the row's stable message id, and marks them sent only after the
+// confirmations. RabbitMQ does not deduplicate: a relay that stops between
+// the confirmations and the mark publishes the rows again, and the
+// consumers' inboxes skip the copies.
+//
+// # What is not guaranteed
+//
+// Order: messages run Concurrency at a time per queue, and a retried
+// message runs after later ones. A message that dies with the process
+// while running beside the one that killed it (Concurrency above 1) is
+// counted a death too, as in package natsconsumer; Concurrency 1 blames
+// only the killer. A graceful stop finishes the attempts in progress; a
+// delivery abandoned at ShutdownTimeout counts as an attempt.
+package rabbitconsumer
