@@ -14,22 +14,35 @@ import (
 )
 
 // DeadLetters reads the dead-letter stream from its first message to the
-// last one stored when it starts, and returns the entries that match f
-// (dlq.Entries; with f.RefuseInvalid, an *dlq.InvalidRecordError for a
-// message that is not a dead letter): the tools of package dlq, and `oncely dlq --nats`, on a
-// JetStream dead-letter stream. An entry's Record is its dead-letter
-// message: Topic its subject, Partition 0, Offset its stream sequence, so
-// its Ref is subject/0/sequence and f.Refs may name it as 0/sequence. It
-// reads through an ordered consumer, which acknowledges nothing and leaves
-// the stream as it was.
+// last one stored when it starts (ReadStream), and returns the entries that
+// match f (dlq.Entries; with f.RefuseInvalid, an *dlq.InvalidRecordError
+// for a message that is not a dead letter): the tools of package dlq, and
+// `oncely dlq --stream`, on a JetStream dead-letter stream. An entry's
+// Record is its dead-letter message: Topic its subject, Partition 0, Offset
+// its stream sequence, so its Ref is subject/0/sequence and f.Refs may name
+// it as 0/sequence.
 func DeadLetters(ctx context.Context, js jetstream.JetStream, stream string, f dlq.Filter) ([]dlq.Entry, error) {
+	recs, err := ReadStream(ctx, js, stream)
+	if err != nil {
+		return nil, err
+	}
+	return dlq.Entries(recs, f)
+}
+
+// ReadStream returns the messages of stream from its first to the last one
+// stored when it starts, as records: Topic the subject, Offset the stream
+// sequence, Timestamp when it was stored, the headers in key order, and
+// Key the HeaderKey header's value (JetStreamPublisher's key). It reads
+// through an ordered consumer, which acknowledges nothing and leaves the
+// stream as it was.
+func ReadStream(ctx context.Context, js jetstream.JetStream, stream string) ([]*kgo.Record, error) {
 	s, err := js.Stream(ctx, stream)
 	if err != nil {
-		return nil, fmt.Errorf("natsconsumer: dead-letter stream %q: %w", stream, err)
+		return nil, fmt.Errorf("natsconsumer: stream %q: %w", stream, err)
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("natsconsumer: dead-letter stream %q: %w", stream, err)
+		return nil, fmt.Errorf("natsconsumer: stream %q: %w", stream, err)
 	}
 	last := info.State.LastSeq
 	if info.State.Msgs == 0 {
@@ -52,9 +65,13 @@ func DeadLetters(ctx context.Context, js jetstream.JetStream, stream string, f d
 			if err != nil {
 				return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
 			}
-			recs = append(recs, record(m, md))
+			rec := record(m, md)
+			if k := m.Headers().Get(HeaderKey); k != "" {
+				rec.Key = []byte(k)
+			}
+			recs = append(recs, rec)
 			if md.Sequence.Stream >= last || md.NumPending == 0 {
-				return dlq.Entries(recs, f)
+				return recs, nil
 			}
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
@@ -62,7 +79,7 @@ func DeadLetters(ctx context.Context, js jetstream.JetStream, stream string, f d
 		}
 		if got == 0 { // the messages up to last were deleted meanwhile?
 			if ci, err := oc.Info(ctx); err == nil && ci.NumPending == 0 {
-				return dlq.Entries(recs, f)
+				return recs, nil
 			}
 		}
 		if err := ctx.Err(); err != nil {

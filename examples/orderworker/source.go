@@ -1,0 +1,123 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/oncely/oncely"
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/natsconsumer"
+	"github.com/oncely/oncely/outbox"
+)
+
+// Sources of --source: the broker the orders come from and the events go
+// to.
+const (
+	sourceKafka     = "kafka"
+	sourceJetStream = "jetstream"
+)
+
+// parseSource checks --source.
+func parseSource(s string) (string, error) {
+	switch s {
+	case sourceKafka, sourceJetStream:
+		return s, nil
+	}
+	return "", fmt.Errorf("want %s or %s, got %q", sourceKafka, sourceJetStream, s)
+}
+
+// jetStreamConcurrency is how many orders the JetStream worker applies at
+// once, each in its own transaction.
+const jetStreamConcurrency = 4
+
+// streamName is the JetStream stream that captures subject: its name in
+// upper case, with the characters a stream name cannot hold replaced.
+func streamName(subject string) string {
+	return strings.ToUpper(strings.NewReplacer(".", "_", "*", "_", ">", "_", " ", "_").Replace(subject))
+}
+
+// jetStreamConn connects to the NATS server at url; the caller closes it.
+func jetStreamConn(url, name string) (*nats.Conn, jetstream.JetStream, error) {
+	nc, err := nats.Connect(url, nats.Name(name), nats.MaxReconnects(-1), nats.Timeout(10*time.Second))
+	if err != nil {
+		return nil, nil, fmt.Errorf("orderworker: NATS at %s: %w", url, err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	return nc, js, nil
+}
+
+// ensureStreams creates the worker's streams where they do not exist: the
+// orders (subject topic), their dead letters (natsconsumer's default
+// subject for topic) and the events (subject eventsTopic). An existing
+// stream is left as it is; one that captures another subject makes the
+// consumer's start-up checks fail, naming it. As the in-process Kafka
+// cluster creates its topics, this is the example making its own broker
+// ready: a production service would have its streams made by whoever owns
+// the NATS account.
+func ensureStreams(ctx context.Context, js jetstream.JetStream, topic, eventsTopic string) error {
+	for _, subject := range []string{topic, natsconsumer.DefaultDeadLetterSubject(topic), eventsTopic} {
+		name := streamName(subject)
+		_, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{subject}, Storage: jetstream.FileStorage})
+		if err != nil && !errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			return fmt.Errorf("orderworker: create stream %s for %s: %w", name, subject, err)
+		}
+	}
+	return nil
+}
+
+// jetStreamWorker is the JetStream consumer of the orders subject: the same
+// handler as the Kafka consumer's, one order per transaction.
+type jetStreamWorker struct {
+	*natsconsumer.Consumer
+	name string
+}
+
+// addJetStreamWorker adds the JetStream consumer of cfg.Topic's stream to
+// r, as the durable cfg.Group.
+func addJetStreamWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, js jetstream.JetStream, st *store) (*jetStreamWorker, error) {
+	stream := streamName(cfg.Topic)
+	c, err := natsconsumer.New(natsconsumer.Config{
+		JetStream: js, Stream: stream, Durable: cfg.Group,
+		Pool: pool, Schema: cfg.Schema, Handler: st.handler(),
+		Concurrency: jetStreamConcurrency, AckWait: cfg.AckWait, ShutdownTimeout: shutdownTimeout - 2*time.Second,
+	})
+	if err != nil {
+		return nil, err
+	}
+	w := &jetStreamWorker{Consumer: c, name: "jetstream " + stream + "/" + cfg.Group}
+	return w, r.AddWorker(w.name, c)
+}
+
+// jetStreamRelay is the runner's relay publishing to JetStream.
+func jetStreamRelay(js jetstream.JetStream) *outbox.RelayConfig {
+	return &outbox.RelayConfig{Publisher: natsconsumer.JetStreamPublisher{JetStream: js}}
+}
+
+// publishJetStream publishes ds to subject, each waiting for its PubAck.
+// The dedup id travels in the message-id header, not Nats-Msg-Id: the
+// stream's duplicate window would drop the duplicates before the worker's
+// inbox could show it deduplicates them.
+func publishJetStream(ctx context.Context, js jetstream.JetStream, subject string, ds []delivery) error {
+	for _, d := range ds {
+		rec := d.record(subject)
+		m := nats.NewMsg(subject)
+		m.Data = rec.Value
+		m.Header.Set(consumer.DefaultMessageIDHeader, d.MessageID)
+		m.Header.Set(natsconsumer.HeaderKey, string(rec.Key))
+		if _, err := js.PublishMsg(ctx, m); err != nil {
+			return fmt.Errorf("publish to %s: %w", subject, err)
+		}
+	}
+	return nil
+}
