@@ -18,8 +18,8 @@ import (
 // natsURL is the JetStream server of the --source jetstream tests.
 var natsURL = cmp.Or(os.Getenv("NATS_URL"), "nats://127.0.0.1:4222")
 
-// TestJetStreamSource runs the worker with --source jetstream as a user
-// would: `produce --source jetstream` publishes orders with duplicates (the
+// TestJetStreamSource runs the worker with --source jetstream, with each
+// handler mode, as a user would: `produce --source jetstream` publishes orders with duplicates (the
 // same message-id header) and poison mixed in, a worker is killed (SIGKILL)
 // mid-stream and another started, and in the end every order has its
 // effects once, its order.accepted event once on the events stream (in each
@@ -27,6 +27,20 @@ var natsURL = cmp.Or(os.Getenv("NATS_URL"), "nats://127.0.0.1:4222")
 // stream with its class.
 func TestJetStreamSource(t *testing.T) {
 	t.Parallel()
+	for name, extra := range map[string][]string{
+		"batch handler":  nil,
+		"record handler": {"--handler", "record"},
+		"per record":     {"--batch-size", "1"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testJetStreamSource(t, extra...)
+		})
+	}
+}
+
+// testJetStreamSource is TestJetStreamSource with the worker's extra flags.
+func testJetStreamSource(t *testing.T, extra ...string) {
 	ctx := t.Context()
 	exe := workerBinary(t)
 	db := testenv.Postgres(t)
@@ -65,6 +79,7 @@ func TestJetStreamSource(t *testing.T) {
 	start := func(name string) *workerProcess {
 		args := []string{"run", "--source", "jetstream", "--nats", natsURL, "--topic", topic, "--events-topic", events,
 			"--group", group, "--schema", db.Schema, "--http-addr", "127.0.0.1:0", "--ack-wait", "2s"}
+		args = append(args, extra...)
 		p, err := startWorkerProcess(ctx, exe, args, []string{"DATABASE_URL=" + db.URL}, name, logFile)
 		if err != nil {
 			t.Fatal(err)

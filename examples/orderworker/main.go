@@ -221,7 +221,7 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 		return cfg, err
 	}
 	if cfg.Source == sourceJetStream && cfg.KeyParallelism > 1 {
-		return cfg, invalidFlag("--key-parallelism (KEY_PARALLELISM)", errors.New("is Kafka's: a JetStream worker applies 4 orders at once, each in its own transaction"))
+		return cfg, invalidFlag("--key-parallelism (KEY_PARALLELISM)", errors.New("is Kafka's: a JetStream worker runs 4 transactions (batches of --batch-size) at once"))
 	}
 	if cfg.SessionTimeout, err = positiveDuration("--session-timeout (SESSION_TIMEOUT)", *session); err != nil {
 		return cfg, err

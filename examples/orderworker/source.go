@@ -33,8 +33,8 @@ func parseSource(s string) (string, error) {
 	return "", fmt.Errorf("want %s or %s, got %q", sourceKafka, sourceJetStream, s)
 }
 
-// jetStreamConcurrency is how many orders the JetStream worker applies at
-// once, each in its own transaction.
+// jetStreamConcurrency is how many transactions (batches, or single orders
+// with --batch-size 1) the JetStream worker runs at once.
 const jetStreamConcurrency = 4
 
 // streamName is the JetStream stream that captures subject: its name in
@@ -77,7 +77,7 @@ func ensureStreams(ctx context.Context, js jetstream.JetStream, topic, eventsTop
 }
 
 // jetStreamWorker is the JetStream consumer of the orders subject: the same
-// handler as the Kafka consumer's, one order per transaction.
+// handlers as the Kafka consumer's, in batches of --batch-size.
 type jetStreamWorker struct {
 	*natsconsumer.Consumer
 	name string
@@ -87,11 +87,18 @@ type jetStreamWorker struct {
 // r, as the durable cfg.Group.
 func addJetStreamWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, js jetstream.JetStream, st *store) (*jetStreamWorker, error) {
 	stream := streamName(cfg.Topic)
-	c, err := natsconsumer.New(natsconsumer.Config{
+	ncfg := natsconsumer.Config{
 		JetStream: js, Stream: stream, Durable: cfg.Group,
-		Pool: pool, Schema: cfg.Schema, Handler: st.handler(),
+		Pool: pool, Schema: cfg.Schema, Handler: st.handler(), BatchSize: cfg.BatchSize,
 		Concurrency: jetStreamConcurrency, AckWait: cfg.AckWait, ShutdownTimeout: shutdownTimeout - 2*time.Second,
-	})
+	}
+	if cfg.BatchSize > 1 && !cfg.RecordHandler {
+		// The set-based handler, as on Kafka: it takes each customer's
+		// balance row in customer order, so concurrent batches that share
+		// customers wait for each other instead of deadlocking.
+		ncfg.BatchHandler = st.batchHandler()
+	}
+	c, err := natsconsumer.New(ncfg)
 	if err != nil {
 		return nil, err
 	}
