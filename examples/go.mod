@@ -8,6 +8,7 @@ require (
 	github.com/oncely/oncely v0.0.0
 	github.com/oncely/oncely/internal/testenv v0.0.0
 	github.com/oncely/oncely/oncelytest v0.0.0
+	github.com/rabbitmq/amqp091-go v1.16.0
 	github.com/twmb/franz-go v1.22.2
 	github.com/twmb/franz-go/pkg/kadm v1.19.0
 	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c

@@ -22,7 +22,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -30,7 +29,6 @@ import (
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/kafkaflags"
 	"github.com/oncely/oncely/internal/topicread"
-	"github.com/oncely/oncely/natsconsumer"
 )
 
 // checkCmd checks a deployment's history, once its workers have caught up:
@@ -569,16 +567,6 @@ func checkEvents(ctx context.Context, brokers []string, topic string, b orderBat
 		return fmt.Errorf("read events: %w", err)
 	}
 	return verifyEvents(recs, topic, b, r, func() (int, error) { return maxMessageBytes(ctx, brokers, topic) })
-}
-
-// checkJetStreamEvents is checkEvents on the JetStream stream of the events
-// subject.
-func checkJetStreamEvents(ctx context.Context, js jetstream.JetStream, subject string, b orderBatch, r *report) error {
-	recs, err := natsconsumer.ReadStream(ctx, js, streamName(subject))
-	if err != nil {
-		return fmt.Errorf("read events: %w", err)
-	}
-	return verifyEvents(recs, subject, b, r, func() (int, error) { return int(js.Conn().MaxPayload()), nil })
 }
 
 // verifyEvents checks the events recs read from topic against b (see

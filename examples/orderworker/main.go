@@ -28,9 +28,10 @@
 // dead-letter topic orders.dlq at once, and the orders behind it keep
 // flowing.
 //
-// With --source jetstream the orders come from, and the events go to, NATS
-// JetStream instead (subjects of the same names, streams created if
-// missing); see the README.
+// With --source jetstream or rabbitmq the orders come from, and the events
+// go to, NATS JetStream (subjects of the same names, streams created if
+// missing) or RabbitMQ (queues of the same names, declared if missing)
+// instead; see the README.
 //
 // Orders also arrive over HTTP, on the worker's --http-addr, and reach the
 // same consumer through the outbox and the orders topic:
@@ -146,8 +147,9 @@ func runCmd(args []string, getenv func(string) string, stdout, stderr io.Writer)
 func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) (cfg workerConfig, err error) {
 	fs := flag.NewFlagSet("orderworker run", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker of the orders and the events: kafka, or jetstream (NATS JetStream at --nats; the streams are created if missing, the Kafka flags unused) (env SOURCE)")
+	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker of the orders and the events: kafka; jetstream (NATS JetStream at --nats; the streams are created if missing); rabbitmq (RabbitMQ at --amqp; the queues are declared if missing; a transaction per order); the Kafka flags are unused with the others (env SOURCE)")
 	fs.StringVar(&cfg.NATSURL, "nats", envOr(getenv, "NATS_URL", nats.DefaultURL), "NATS server of --source jetstream (env NATS_URL)")
+	fs.StringVar(&cfg.AMQPURL, "amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+redactURL(defaultAMQPURL)+")")
 	ackWait := fs.String("ack-wait", envOr(getenv, "ACK_WAIT", "30s"), "with --source jetstream: how long JetStream waits for an ack before delivering a message again, the time a crashed worker's messages take to come back, a Go duration (env ACK_WAIT)")
 	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); empty: start an in-process kfake cluster")
 	fs.StringVar(&cfg.Topic, "topic", "orders", "topic (or subject) to consume; POST /orders and POST /webhooks/orders publish to it, through the outbox")
@@ -178,6 +180,9 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	}
 	if !kafkaflags.Given(fs, "database-url") {
 		cfg.DatabaseURL = envOr(getenv, "DATABASE_URL", defaultDatabaseURL)
+	}
+	if !kafkaflags.Given(fs, "amqp") { // read after parsing, as DATABASE_URL: -h must not print a password
+		cfg.AMQPURL = envOr(getenv, "AMQP_URL", defaultAMQPURL)
 	}
 	if cfg.WebhookSecrets, err = parseSecrets(*secrets); err != nil {
 		return cfg, invalidFlag("--webhook-secret (WEBHOOK_SECRET)", err)
@@ -219,6 +224,12 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	}
 	if cfg.AckWait, err = positiveDuration("--ack-wait (ACK_WAIT)", *ackWait); err != nil {
 		return cfg, err
+	}
+	if cfg.Source == sourceRabbitMQ {
+		if cfg.BatchSize > 1 && (kafkaflags.Given(fs, "batch-size") || getenv("BATCH_SIZE") != "") || cfg.KeyParallelism > 1 {
+			return cfg, invalidFlag("--source (SOURCE)", errors.New("rabbitmq runs a transaction per order, 4 at once: --batch-size and --key-parallelism do not apply"))
+		}
+		cfg.BatchSize = 1
 	}
 	if cfg.Source == sourceJetStream && cfg.KeyParallelism > 1 {
 		return cfg, invalidFlag("--key-parallelism (KEY_PARALLELISM)", errors.New("is Kafka's: a JetStream worker runs 4 transactions (batches of --batch-size) at once"))
@@ -375,11 +386,12 @@ func validateSchema(s string) error {
 func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("orderworker produce", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker to publish to: kafka, or jetstream (NATS at --nats; the worker's streams are created if missing) (env SOURCE)")
+	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker to publish to: kafka, jetstream (NATS at --nats; the worker's streams are created if missing) or rabbitmq (RabbitMQ at --amqp; the worker's queues are declared if missing) (env SOURCE)")
 	natsURL := fs.String("nats", envOr(getenv, "NATS_URL", nats.DefaultURL), "NATS server of --source jetstream (env NATS_URL)")
+	amqpURL := fs.String("amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+redactURL(defaultAMQPURL)+")")
 	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); required with --source kafka")
 	topic := fs.String("topic", "orders", "topic (or subject) to produce to")
-	events := fs.String("events-topic", envOr(getenv, "EVENTS_TOPIC", "order-events"), "with --source jetstream: the events subject whose stream is created if missing (env EVENTS_TOPIC)")
+	events := fs.String("events-topic", envOr(getenv, "EVENTS_TOPIC", "order-events"), "with --source jetstream or rabbitmq: the events subject or queue, created if missing (env EVENTS_TOPIC)")
 	count := fs.Int("count", 1000, "orders to produce")
 	dupRate := fs.Float64("dup-rate", 0.2, "fraction of records produced a second time with the same message-id")
 	poisonRate := fs.Float64("poison-rate", 0, "poison records (not valid orders: they go to the dead-letter topic) to mix in, as a fraction of --count")
@@ -427,9 +439,15 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	if *keyBy == "customer" {
 		batch.KeyByCustomer()
 	}
-	if src == sourceJetStream {
+	switch src {
+	case sourceJetStream:
 		err = publishOrders(ctx, *natsURL, *topic, *events, batch.Deliveries)
-	} else {
+	case sourceRabbitMQ:
+		if !kafkaflags.Given(fs, "amqp") {
+			*amqpURL = envOr(getenv, "AMQP_URL", defaultAMQPURL)
+		}
+		err = publishRabbit(ctx, *amqpURL, *topic, *events, batch.Deliveries)
+	default:
 		err = produceOrders(ctx, bs, kopts, *topic, batch.Deliveries, *rate)
 	}
 	if err != nil {

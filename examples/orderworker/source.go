@@ -4,17 +4,20 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	neturl "net/url"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/oncely/oncely"
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/natsconsumer"
 	"github.com/oncely/oncely/outbox"
+	"github.com/oncely/oncely/rabbitconsumer"
 )
 
 // Sources of --source: the broker the orders come from and the events go
@@ -22,15 +25,19 @@ import (
 const (
 	sourceKafka     = "kafka"
 	sourceJetStream = "jetstream"
+	sourceRabbitMQ  = "rabbitmq"
 )
+
+// defaultAMQPURL is --amqp's default: the local RabbitMQ's guest account.
+const defaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
 
 // parseSource checks --source.
 func parseSource(s string) (string, error) {
 	switch s {
-	case sourceKafka, sourceJetStream:
+	case sourceKafka, sourceJetStream, sourceRabbitMQ:
 		return s, nil
 	}
-	return "", fmt.Errorf("want %s or %s, got %q", sourceKafka, sourceJetStream, s)
+	return "", fmt.Errorf("want %s, %s or %s, got %q", sourceKafka, sourceJetStream, sourceRabbitMQ, s)
 }
 
 // jetStreamConcurrency is how many transactions (batches, or single orders
@@ -124,6 +131,96 @@ func publishJetStream(ctx context.Context, js jetstream.JetStream, subject strin
 		m.Header.Set(natsconsumer.HeaderKey, string(rec.Key))
 		if _, err := js.PublishMsg(ctx, m); err != nil {
 			return fmt.Errorf("publish to %s: %w", subject, err)
+		}
+	}
+	return nil
+}
+
+// ensureQueues declares the worker's RabbitMQ queues where they do not
+// exist: the orders (queue topic), their dead letters (rabbitconsumer's
+// default dead-letter queue of topic) and the events (queue eventsTopic,
+// which the relay's publishes reach through the default exchange), all
+// quorum queues: a quorum queue counts the deliveries a crash ended, which
+// is how a message that kills the worker is found (see package
+// rabbitconsumer). The retry queue is the consumer's own to declare.
+func ensureQueues(url, topic, eventsTopic string) error {
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		return fmt.Errorf("orderworker: RabbitMQ at %s: %w", redactURL(url), err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	for _, q := range []string{topic, rabbitconsumer.DefaultDeadLetterRoutingKey(topic), eventsTopic} {
+		if _, err := ch.QueueDeclare(q, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+			return fmt.Errorf("orderworker: declare queue %s: %w", q, err)
+		}
+	}
+	return nil
+}
+
+// redactURL is url without its password, for messages.
+func redactURL(raw string) string {
+	if u, err := neturl.Parse(raw); err == nil {
+		return u.Redacted()
+	}
+	return "(an unparsable URL)"
+}
+
+// addRabbitWorker adds the RabbitMQ consumer of the cfg.Topic queue to r,
+// as the group cfg.Group: one order per transaction, jetStreamConcurrency
+// at once (rabbitconsumer has no batch mode).
+func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st *store) (*rabbitconsumer.Consumer, error) {
+	c, err := rabbitconsumer.New(rabbitconsumer.Config{
+		URL: cfg.AMQPURL, Queues: []string{cfg.Topic}, Group: cfg.Group,
+		Pool: pool, Schema: cfg.Schema, Handler: st.handler(),
+		Concurrency: jetStreamConcurrency, ShutdownTimeout: shutdownTimeout - 2*time.Second,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return c, r.AddWorker("rabbitmq "+cfg.Topic+"/"+cfg.Group, c)
+}
+
+// publishRabbit publishes ds to the queue topic through the default
+// exchange, persistent and mandatory, each after the previous one's
+// publisher confirmation. The dedup id is the message_id property: RabbitMQ
+// does not deduplicate, so the duplicates reach the worker's inbox.
+func publishRabbit(ctx context.Context, url, topic, eventsTopic string, ds []delivery) error {
+	if err := ensureQueues(url, topic, eventsTopic); err != nil {
+		return err
+	}
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		return fmt.Errorf("RabbitMQ at %s: %w", redactURL(url), err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	if err := ch.Confirm(false); err != nil {
+		return err
+	}
+	returns := ch.NotifyReturn(make(chan amqp.Return, 1))
+	for _, d := range ds {
+		rec := d.record(topic)
+		conf, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", topic, true, false, amqp.Publishing{
+			DeliveryMode: amqp.Persistent, MessageId: d.MessageID, ContentType: "application/json", Body: rec.Value,
+			Headers: amqp.Table{rabbitconsumer.HeaderKey: string(rec.Key)},
+		})
+		if err != nil {
+			return fmt.Errorf("publish to %s: %w", topic, err)
+		}
+		if ok, err := conf.WaitContext(ctx); err != nil || !ok {
+			return fmt.Errorf("publish to %s: not confirmed (%v)", topic, err)
+		}
+		select {
+		case ret := <-returns:
+			return fmt.Errorf("publish to %s: returned: %s", topic, ret.ReplyText)
+		default:
 		}
 	}
 	return nil

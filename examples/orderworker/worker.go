@@ -26,6 +26,7 @@ import (
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/migrations"
 	"github.com/oncely/oncely/outbox"
+	"github.com/oncely/oncely/rabbitconsumer"
 	"github.com/oncely/oncely/webhook"
 )
 
@@ -366,6 +367,7 @@ type workerConfig struct {
 	// jetstream (NATS at NATSURL).
 	Source         string
 	NATSURL        string
+	AMQPURL        string
 	AckWait        time.Duration // JetStream's redelivery delay of an unacknowledged message
 	Brokers        []string      // empty: start an in-process kfake cluster
 	KafkaOpts      []kgo.Opt     // TLS and SASL, from the --tls* and --sasl-* flags
@@ -415,6 +417,10 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 			return err
 		}
 		js = j
+	} else if cfg.Source == sourceRabbitMQ {
+		if err := ensureQueues(cfg.AMQPURL, cfg.Topic, cfg.EventsTopic); err != nil {
+			return err
+		}
 	} else if len(cfg.Brokers) == 0 {
 		cluster, err := startKfake(cfg.Topic, cfg.EventsTopic)
 		if err != nil {
@@ -460,8 +466,14 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		return err
 	}
 	relay := &outbox.RelayConfig{ClientID: cfg.InstanceID}
-	if js != nil {
+	switch {
+	case js != nil:
 		relay = jetStreamRelay(js)
+	case cfg.Source == sourceRabbitMQ:
+		// Through the default exchange: an event's topic is the queue's name.
+		pub := &rabbitconsumer.Publisher{URL: cfg.AMQPURL}
+		defer pub.Close()
+		relay = &outbox.RelayConfig{Publisher: pub}
 	}
 	r, err := oncely.New(oncely.Config{
 		Pool: pool, Schema: cfg.Schema, Brokers: cfg.Brokers, KafkaOpts: cfg.KafkaOpts, Logger: log,
@@ -484,13 +496,20 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		return err
 	}
 	var stats func() consumer.Stats
-	if js != nil {
+	switch {
+	case js != nil:
 		w, err := addJetStreamWorker(r, pool, cfg, js, st)
 		if err != nil {
 			return err
 		}
 		stats = w.Stats
-	} else {
+	case cfg.Source == sourceRabbitMQ:
+		w, err := addRabbitWorker(r, pool, cfg, st)
+		if err != nil {
+			return err
+		}
+		stats = w.Stats
+	default:
 		ccfg := consumer.Config{
 			Topics: []string{cfg.Topic}, Group: cfg.Group, ConflictKeys: conflictKeys,
 			BatchSize: cfg.BatchSize, KeyParallelism: cfg.KeyParallelism, InstanceID: cfg.InstanceID,
