@@ -149,6 +149,9 @@ func (*jetStreamSource) kind() sourceKind { return jetStreamKind }
 // (natsconsumer.DefaultDeadLetterSubject). A stream that also captures
 // other subjects is not a dead-letter stream of theirs.
 func (j *jetStreamSource) places(ctx context.Context) ([]string, error) {
+	if err := j.connected(); err != nil {
+		return nil, err
+	}
 	if len(j.streams) > 0 {
 		return j.streams, nil
 	}
@@ -172,6 +175,9 @@ func (j *jetStreamSource) places(ctx context.Context) ([]string, error) {
 func (j *jetStreamSource) sync(ctx context.Context, stream string) (*topicIndex, error) {
 	if stream == "" {
 		return nil, badRequest{"stream: choose a dead-letter stream"}
+	}
+	if err := j.connected(); err != nil {
+		return nil, err
 	}
 	t := j.ix.get(stream)
 	t.refresh.Lock()
@@ -203,6 +209,19 @@ func (j *jetStreamSource) sync(ctx context.Context, stream string) (*topicIndex,
 		}
 		t.reset() // a message was deleted inside what was read before
 	}
+}
+
+// connected fails at once while the connection is down, rather than at
+// the page's timeout (a connection that reconnects holds requests back).
+func (j *jetStreamSource) connected() error {
+	nc := j.js.Conn()
+	if nc.IsConnected() {
+		return nil
+	}
+	if err := nc.LastError(); err != nil {
+		return fmt.Errorf("NATS: not connected (%s): %w", nc.Status(), err)
+	}
+	return fmt.Errorf("NATS: not connected (%s)", nc.Status())
 }
 
 // read reads r of s, each record's key being its natsconsumer.HeaderKey

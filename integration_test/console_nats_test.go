@@ -1,0 +1,308 @@
+package integration_test
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"regexp"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/console"
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/natsconsumer"
+)
+
+// natsConsoleEnv is a JetStream stream whose consumer dead-lettered six
+// messages, and the console on its dead-letter stream (JetStream only, no
+// Kafka; actions enabled).
+type natsConsoleEnv struct {
+	*natsEnv
+	payments string            // a second subject of the stream
+	refs     map[string]string // message id -> its dead letter's partition/offset (0/sequence)
+	fixed    atomic.Bool       // the handler accepts every message from now on
+	mu       sync.Mutex
+	runs     map[string]int // handler runs per message id once fixed
+	logs     *lockedBuffer
+	base     string // the console, under /ops/
+}
+
+// seedNATSConsole dead-letters, through a real natsconsumer that gives a
+// message two attempts: a (JSON), c (binary) and e (key k-e) of the orders
+// subject permanently ("rejected: schema v1"), b and d after max attempts
+// ("flaky downstream"), and p of the payments subject permanently with the
+// same error.
+func seedNATSConsole(t *testing.T) *natsConsoleEnv {
+	t.Helper()
+	env := &natsConsoleEnv{natsEnv: newNATSEnv(t), runs: map[string]int{}, logs: &lockedBuffer{}}
+	env.payments = env.stream + ".payments"
+	for _, m := range []struct {
+		id, subject, key string
+		data             []byte
+	}{{"a", env.subject, "", []byte(`{"order":"a","amount":10}`)}, {"b", env.subject, "", []byte("boom")},
+		{"c", env.subject, "", []byte{0, 1, 2, 0xff}}, {"d", env.subject, "", []byte("boom")},
+		{"e", env.subject, "k-e", []byte("bad")}, {"p", env.payments, "", []byte("bad")}} {
+		h := map[string]string{nats.MsgIdHdr: m.id}
+		if m.key != "" {
+			h[natsconsumer.HeaderKey] = m.key
+		}
+		env.publish(m.subject, string(m.data), h)
+	}
+	cfg := env.config(env.js, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if !env.fixed.Load() {
+			if string(msg.Value) == "boom" {
+				return errors.New("flaky downstream")
+			}
+			return dlq.Permanent(errors.New("rejected: schema v1"))
+		}
+		env.mu.Lock()
+		env.runs[msg.ID]++
+		env.mu.Unlock()
+		return sourceEffect("w")(ctx, tx, msg)
+	})
+	cfg.MaxAttempts = 2
+	_, _ = env.start(t.Context(), cfg)
+	env.deadLetters(6)
+	env.settled()
+
+	all, err := natsconsumer.DeadLetters(t.Context(), env.js, env.dlq, dlq.Filter{})
+	if err != nil || len(all) != 6 {
+		t.Fatalf("dead letters: %d, %v; want 6", len(all), err)
+	}
+	env.refs = map[string]string{}
+	for _, e := range all {
+		env.refs[e.Info.MessageID] = strings.TrimPrefix(e.Ref(), e.Record.Topic+"/")
+	}
+
+	// The console on a connection of its own, as `oncely console --nats`.
+	_, js := env.ownJetStream()
+	srv := mountConsole(t, console.Config{Pool: env.db.Pool, Schema: env.db.Schema, JetStream: js,
+		DeadLetterStreams: []string{env.dlq}, Actions: true, Logger: slog.New(slog.NewTextHandler(env.logs, nil))})
+	env.base = srv.URL + "/ops/"
+	return env
+}
+
+// redriven returns the dedup ids of the redriven messages in the source
+// stream (those carrying dlq.HeaderRedrive), in stream order.
+func (env *natsConsoleEnv) redriven() []string {
+	env.t.Helper()
+	s, err := env.js.Stream(env.t.Context(), env.stream)
+	if err != nil {
+		env.t.Fatal(err)
+	}
+	var ids []string
+	err = natsconsumer.ReadStream(env.t.Context(), s, natsconsumer.StreamRange{From: 1, To: s.CachedInfo().State.LastSeq + 1},
+		func(r *kgo.Record) error {
+			id, redriven := "", false
+			for _, h := range r.Headers {
+				redriven = redriven || h.Key == dlq.HeaderRedrive
+				if h.Key == dlq.HeaderMessageIDDefault {
+					id = string(h.Value)
+				}
+			}
+			if redriven {
+				ids = append(ids, id)
+			}
+			return nil
+		})
+	if err != nil {
+		env.t.Fatal(err)
+	}
+	return ids
+}
+
+// ranOnce fails the test unless, since the handler was fixed, it ran once
+// for each of ids and for nothing else, and each has one effect.
+func (env *natsConsoleEnv) ranOnce(ids ...string) {
+	env.t.Helper()
+	testenv.Eventually(env.t, 30*time.Second, "the redriven messages' effects", func() bool {
+		return env.count(`SELECT count(DISTINCT message_id) FROM effects`) >= int64(len(ids))
+	})
+	env.settled()
+	env.effects(int64(len(ids)))
+	env.mu.Lock()
+	defer env.mu.Unlock()
+	for _, id := range ids {
+		if env.runs[id] != 1 || env.count(`SELECT count(*) FROM effects WHERE message_id = $1`, id) != 1 {
+			env.t.Errorf("message %s: %d handler runs, want exactly 1 with one effect", id, env.runs[id])
+		}
+	}
+	if len(env.runs) != len(ids) {
+		env.t.Errorf("the handler ran for %v, want only %v", env.runs, ids)
+	}
+}
+
+var overviewRowRE = `<a href="dlq\?stream=%s">[^<]+</a></td>((?:<td class="n">\d+</td>)+)`
+
+// The console on a JetStream dead-letter stream, as on a Kafka topic: the
+// overview counts its dead letters by class; the list filters them by
+// class, error text, source subject, key and message id; the record page
+// shows the value (pretty JSON, hex) and the natsconsumer provenance
+// headers; a redrive by filter dry-runs, then redrives exactly what the
+// filter showed (not b, d or p outside it, not a dead letter written after
+// the dry run), each redriven message running exactly once more; a second
+// confirmation redrives nothing; one record is redriven from its page and a
+// selection through its confirmation; every action is logged with the
+// operator's name.
+func TestConsoleJetStreamDeadLetters(t *testing.T) {
+	env := seedNATSConsole(t)
+	op := newOperator(t, "alice")
+	stream := url.Values{"stream": {env.dlq}}
+	q := func(kv ...string) url.Values {
+		v := url.Values{"stream": {env.dlq}}
+		for i := 0; i+1 < len(kv); i += 2 {
+			v.Set(kv[i], kv[i+1])
+		}
+		return v
+	}
+
+	// The overview: the stream's dead letters by class, and no Kafka
+	// configured is not a reason to be not ready.
+	over := op.get(env.base)
+	mustContain(t, "overview", over, `id="dlq-streams"`, "No Kafka configured.", "Nothing found not ready.")
+	row := regexp.MustCompile(strings.Replace(overviewRowRE, "%s", regexp.QuoteMeta(env.dlq), 1)).FindStringSubmatch(over)
+	if row == nil {
+		t.Fatalf("overview: no row of %s:\n%s", env.dlq, over)
+	}
+	// undecodable, permanent, max_attempts, panic, oversized, crash_loop, total
+	if got := regexp.MustCompile(`\d+`).FindAllString(row[1], -1); !slices.Equal(got, []string{"0", "4", "2", "0", "0", "0", "6"}) {
+		t.Errorf("overview counts of %s: %v, want 4 permanent, 2 max_attempts, 6 in all", env.dlq, got)
+	}
+
+	// The list and its filters.
+	for what, c := range map[string]struct {
+		q    url.Values
+		want string
+	}{
+		"all":       {stream, "6 dead letters match"},
+		"permanent": {q("class", "permanent"), "4 dead letters match"},
+		"text":      {q("text", "FLAKY"), "2 dead letters match"},
+		"subject":   {q("source", env.payments), "1 dead letters match"},
+		"key":       {q("key", "k-e"), "1 dead letters match"},
+		"id":        {q("message_id", "c"), "1 dead letters match"},
+		"until":     {q("until", "2000-01-01"), "0 dead letters match"},
+	} {
+		mustContain(t, "dlq "+what, op.get(env.base+"dlq?"+c.q.Encode()), c.want)
+	}
+	list := op.get(env.base + "dlq?" + stream.Encode())
+	mustContain(t, "dlq list", list, `<select name="stream"><option selected>`+env.dlq+`</option>`, "source subject",
+		`<a href="record?stream=`+env.dlq+`&amp;ref=`+env.refs["a"]+`">`)
+
+	// The record page: pretty JSON, hex, the provenance.
+	rec := op.get(env.base + "record?" + q("ref", env.refs["a"]).Encode())
+	mustContain(t, "record a", rec, `&#34;amount&#34;: 10`, "subject "+env.subject+", stream "+env.stream+" sequence 1",
+		"JetStream consumer", "workers, delivery 1", natsconsumer.HeaderStream, natsconsumer.HeaderConsumer,
+		natsconsumer.HeaderDeliveryCount, "rejected: schema v1", `<a href="dlq?stream=`+env.dlq+`">`)
+	mustContain(t, "record c", op.get(env.base+"record?"+q("ref", env.refs["c"]).Encode()), "(hex, 4 bytes)", "00 01 02 ff")
+	mustContain(t, "record e", op.get(env.base+"record?"+q("ref", env.refs["e"]).Encode()), "<pre>k-e</pre>")
+
+	// Redrive by filter: the dry run, then one more matching dead letter,
+	// then the confirmation.
+	filter := q("class", "permanent", "text", "schema v1", "source", env.subject)
+	confirmQ := withoutCSRF(filter)
+	confirmQ.Set("all", "1")
+	confirm := op.get(env.base + "dlq-confirm?" + confirmQ.Encode())
+	last := max(seqOf(t, env.refs["a"]), seqOf(t, env.refs["c"]), seqOf(t, env.refs["e"]))
+	mustContain(t, "confirm", confirm, "<strong>3</strong> would be redriven", "up to offsets 0:"+last,
+		"<th>stream</th><td>"+env.dlq+"</td>")
+	late := &dlq.Info{Topic: env.subject, Offset: 50, Group: "workers", MessageID: "late", Attempts: 1,
+		FirstFailure: time.Now(), LastFailure: time.Now(), Class: dlq.ClassPermanent, Error: "rejected: schema v1"}
+	m := nats.NewMsg(natsconsumer.DefaultDeadLetterSubject(env.subject))
+	for _, h := range late.Headers() {
+		m.Header.Add(h.Key, string(h.Value))
+	}
+	if _, err := env.js.PublishMsg(t.Context(), m); err != nil {
+		t.Fatal(err)
+	}
+	if n := streamMsgs(t, env.js, env.stream); n != 6 {
+		t.Fatalf("the dry run published: the stream holds %d messages, want 6", n)
+	}
+
+	env.fixed.Store(true)
+	form := confirmForm(t, confirm)
+	code, body, hdr := op.post(env.base+"dlq-redrive", form, "")
+	if code != http.StatusSeeOther || !strings.HasPrefix(hdr.Get("Location"), "dlq?") {
+		t.Fatalf("confirm: %d %s %v", code, body, hdr)
+	}
+	mustContain(t, "after redrive", op.get(env.base+hdr.Get("Location")), "redrove 3 of 3 selected dead letters")
+	if got := env.redriven(); !slices.Equal(got, []string{"a", "c", "e"}) {
+		t.Fatalf("redriven to the stream: %v, want [a c e]: b, d (max_attempts), p (payments) and late are outside", got)
+	}
+	env.ranOnce("a", "c", "e")
+
+	// The same confirmation again: all three are processed now.
+	code, _, hdr = op.post(env.base+"dlq-redrive", form, "")
+	if code != http.StatusSeeOther {
+		t.Fatalf("second confirm: %d", code)
+	}
+	mustContain(t, "second redrive", op.get(env.base+hdr.Get("Location")), "redrove 0 of 3")
+	if got := env.redriven(); len(got) != 3 {
+		t.Errorf("a second confirmation published again: %v", got)
+	}
+
+	// One from its page, and a selection through its confirmation.
+	csrf := csrfOf(t, op.get(env.base+"record?"+q("ref", env.refs["b"]).Encode()))
+	code, _, hdr = op.post(env.base+"dlq-redrive", url.Values{"csrf": {csrf}, "stream": {env.dlq}, "ref": {env.refs["b"]}}, "")
+	if code != http.StatusSeeOther {
+		t.Fatalf("redrive b: %d", code)
+	}
+	mustContain(t, "redrive one", op.get(env.base+hdr.Get("Location")), "redrove 1 of 1")
+	sel := op.get(env.base + "dlq-confirm?" + url.Values{"stream": {env.dlq}, "ref": {env.refs["d"], env.refs["p"]}}.Encode())
+	mustContain(t, "confirm selection", sel, "<strong>2</strong> would be redriven", "selected</th><td>2 records")
+	code, _, hdr = op.post(env.base+"dlq-redrive", confirmForm(t, sel), "")
+	if code != http.StatusSeeOther {
+		t.Fatalf("redrive selection: %d", code)
+	}
+	mustContain(t, "redrive selection", op.get(env.base+hdr.Get("Location")), "redrove 2 of 2")
+	if got := env.redriven(); !slices.Equal(got[3:], []string{"b", "d", "p"}) {
+		t.Errorf("redriven: %v, want a c e, then b d p", got)
+	}
+	env.ranOnce("a", "b", "c", "d", "e", "p")
+	if logs := env.logs.String(); strings.Count(logs, "who=alice") != 4 || !strings.Contains(logs, "stream="+env.dlq) {
+		t.Errorf("want 4 redrives logged with the operator and the stream:\n%s", logs)
+	}
+}
+
+// seqOf is the sequence of a 0/sequence ref.
+func seqOf(t *testing.T, ref string) string {
+	t.Helper()
+	seq, ok := strings.CutPrefix(ref, "0/")
+	if !ok {
+		t.Fatalf("ref %q is not 0/sequence", ref)
+	}
+	return seq
+}
+
+// Without DeadLetterStreams the console shows the streams whose subjects
+// all start with "dlq." (the test's dead-letter stream, not its source
+// stream), read-only unless actions are enabled; a stream named in the
+// query that does not exist is an error on the page, not a crash.
+func TestConsoleJetStreamDiscoversDeadLetterStreams(t *testing.T) {
+	e := newNATSEnv(t)
+	e.publish("dlq."+e.subject, "not a dead letter", nil)
+	_, js := e.ownJetStream()
+	srv := mountConsole(t, console.Config{Pool: e.db.Pool, Schema: e.db.Schema, JetStream: js})
+	op := newOperator(t, "bob")
+	page := op.get(srv.URL + "/ops/dlq?" + url.Values{"stream": {e.dlq}}.Encode())
+	mustContain(t, "discovered", page, `<option selected>`+e.dlq+`</option>`, "1 dead letters match", "not a dead-letter record")
+	if strings.Contains(page, "<option>"+e.stream+"</option>") || strings.Contains(page, "Redrive") {
+		t.Errorf("the source stream listed as a dead-letter stream, or actions on a read-only console:\n%s", page)
+	}
+	missing := op.get(srv.URL + "/ops/dlq?stream=NO_SUCH_STREAM_" + e.stream)
+	mustContain(t, "missing stream", missing, `class="err"`, "stream not found")
+	if code, _, _ := op.post(srv.URL+"/ops/dlq-redrive", url.Values{"stream": {e.dlq}, "all": {"1"}}, ""); code != http.StatusForbidden {
+		t.Errorf("a redrive on a read-only console: %d, want 403", code)
+	}
+}
