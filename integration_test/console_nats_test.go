@@ -1,13 +1,16 @@
 package integration_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,6 +19,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/console"
@@ -305,4 +309,108 @@ func TestConsoleJetStreamDiscoversDeadLetterStreams(t *testing.T) {
 	if code, _, _ := op.post(srv.URL+"/ops/dlq-redrive", url.Values{"stream": {e.dlq}, "all": {"1"}}, ""); code != http.StatusForbidden {
 		t.Errorf("a redrive on a read-only console: %d, want 403", code)
 	}
+}
+
+// The console's pages of a JetStream dead-letter stream read it whole once
+// and then only what it gained, yet list what natsconsumer.DeadLetters
+// lists on the whole stream (the key being the natsconsumer.HeaderKey
+// header): copies of one dead-lettering once, messages that are not dead
+// letters, nothing deleted inside the stream, nothing purged from its start.
+// The console's connection receives about nothing for a view after which
+// the stream gained nothing, and a few messages for three more.
+func TestConsoleJetStreamIndexFollowsTheStream(t *testing.T) {
+	e := newNATSEnv(t)
+	ctx := t.Context()
+	subject := natsconsumer.DefaultDeadLetterSubject(e.subject)
+	classes := []dlq.Class{dlq.ClassPermanent, dlq.ClassMaxAttempts, dlq.ClassUndecodable}
+	publish := func(i int, copyOf int) {
+		t.Helper()
+		n := cmp.Or(copyOf, i)
+		info := &dlq.Info{Topic: e.subject, Offset: int64(n), Group: "g" + strconv.Itoa(n%2), MessageID: "m-" + strconv.Itoa(n),
+			Attempts: 2, FirstFailure: time.Now(), LastFailure: time.Now(), Class: classes[n%3], Error: "failure " + strconv.Itoa(n%7)}
+		m := nats.NewMsg(subject)
+		m.Data = []byte("v")
+		for _, h := range info.Headers() {
+			m.Header.Add(h.Key, string(h.Value))
+		}
+		m.Header.Set(natsconsumer.HeaderKey, "k-"+strconv.Itoa(n%5))
+		if _, err := e.js.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := 1; i <= 240; i++ {
+		publish(i, 0)
+	}
+	publish(0, 4) // a copy of 4
+	e.publish(subject, "stray", map[string]string{"message-id": "stray"})
+
+	nc, js := e.ownJetStream()
+	h, err := console.New(console.Config{Pool: e.db.Pool, Schema: e.db.Schema, JetStream: js, DeadLetterStreams: []string{e.dlq}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	list := func(f dlq.Filter) ([]dlq.Entry, error) {
+		entries, err := natsconsumer.DeadLetters(ctx, e.js, e.dlq, f)
+		for _, en := range entries {
+			for _, h := range en.Record.Headers {
+				if h.Key == natsconsumer.HeaderKey {
+					en.Record.Key = h.Value
+				}
+			}
+		}
+		return entries, err
+	}
+	check := func(step string) {
+		t.Helper()
+		pagesListAsWhole(t, step, srv.URL+"/dlq", url.Values{"stream": {e.dlq}}, list)
+	}
+	received := func() uint64 { return nc.Stats().InMsgs }
+	view := func(want int) {
+		t.Helper()
+		page := getPage(t, srv.URL+"/dlq?stream="+e.dlq)
+		if m := matchRE.FindStringSubmatch(page); m == nil || m[1] != strconv.Itoa(want) {
+			t.Fatalf("page says %v dead letters match, want %d", m, want)
+		}
+	}
+
+	before := received()
+	view(241)
+	if got := received() - before; got < 242 {
+		t.Fatalf("the first view received %d messages, want the stream's 242 at least", got)
+	}
+	check("first read")
+	before = received()
+	view(241)
+	if got := received() - before; got > 5 {
+		t.Errorf("a view with nothing new received %d messages: the stream read again?", got)
+	}
+	for i := 241; i <= 243; i++ {
+		publish(i, 0)
+	}
+	before = received()
+	view(244)
+	if got := received() - before; got > 3+5 {
+		t.Errorf("a view after 3 more received %d messages: want the 3 and a few answers", got)
+	}
+
+	for i := 244; i <= 260; i++ {
+		publish(i, 0)
+	}
+	publish(0, 7) // a copy of 7
+	check("appended")
+
+	s, err := e.js.Stream(ctx, e.dlq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.DeleteMsg(ctx, 50); err != nil { // m-50, inside what was read
+		t.Fatal(err)
+	}
+	check("after a delete inside the stream")
+	if err := s.Purge(ctx, jetstream.WithPurgeSequence(31)); err != nil { // m-1 to m-30
+		t.Fatal(err)
+	}
+	check("after a purge of the stream's start")
 }
