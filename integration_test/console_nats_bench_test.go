@@ -3,8 +3,6 @@ package integration_test
 import (
 	"context"
 	"fmt"
-	"net/http"
-	"net/http/httptest"
 	"os"
 	"strconv"
 	"strings"
@@ -31,14 +29,7 @@ import (
 //
 //	go test -run '^$' -bench BenchmarkConsoleJetStreamPages -benchtime 5x ./integration_test/
 func BenchmarkConsoleJetStreamPages(b *testing.B) {
-	scale := 1.0
-	if v := os.Getenv("ONCELY_CONSOLE_BENCH_SCALE"); v != "" {
-		var err error
-		if scale, err = strconv.ParseFloat(v, 64); err != nil || scale <= 0 {
-			b.Fatalf("ONCELY_CONSOLE_BENCH_SCALE: %q is not a positive number", v)
-		}
-	}
-	nDead := int(10_000 * scale)
+	nDead := int(10_000 * consoleBenchScale(b))
 	ctx := context.Background()
 	db := testenv.Migrated(b)
 	nc, err := nats.Connect(natsURL, nats.MaxReconnects(0))
@@ -84,16 +75,6 @@ func BenchmarkConsoleJetStreamPages(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	get := func(h http.Handler, path string) time.Duration {
-		rec := httptest.NewRecorder()
-		t0 := time.Now()
-		h.ServeHTTP(rec, httptest.NewRequestWithContext(ctx, http.MethodGet, path, nil))
-		d := time.Since(t0)
-		if rec.Code != http.StatusOK || strings.Contains(rec.Body.String(), `class="err"`) {
-			b.Fatalf("%s: %d %s", path, rec.Code, rec.Body.String())
-		}
-		return d
-	}
 	list := func() time.Duration {
 		t0 := time.Now()
 		entries, err := natsconsumer.DeadLetters(ctx, js, stream, dlq.Filter{})
@@ -102,7 +83,7 @@ func BenchmarkConsoleJetStreamPages(b *testing.B) {
 		}
 		return time.Since(t0)
 	}
-	get(h, "/dlq?stream="+stream) // the index read once: the pages below are views after it
+	timedPage(b, h, "/dlq?stream="+stream) // the index read once: the pages below are views after it
 
 	pages := []struct {
 		name, path string
@@ -127,7 +108,7 @@ func BenchmarkConsoleJetStreamPages(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				page := get(ch, p.path)
+				page := timedPage(b, ch, p.path)
 				l := list()
 				pageTotal, listTotal = pageTotal+page, listTotal+l
 				fmt.Fprintf(os.Stderr, "console jetstream bench: %-12s round %d: page %7.1f ms, DeadLetters %7.1f ms (%d dead letters)\n",
