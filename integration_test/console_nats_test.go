@@ -317,7 +317,8 @@ func TestConsoleJetStreamDiscoversDeadLetterStreams(t *testing.T) {
 // header): copies of one dead-lettering once, messages that are not dead
 // letters, nothing deleted inside the stream, nothing purged from its start.
 // The console's connection receives about nothing for a view after which
-// the stream gained nothing, and a few messages for three more.
+// the stream gained nothing, and a few messages for three more; after
+// Console.Run, the first view receives about nothing.
 func TestConsoleJetStreamIndexFollowsTheStream(t *testing.T) {
 	e := newNATSEnv(t)
 	ctx := t.Context()
@@ -413,4 +414,34 @@ func TestConsoleJetStreamIndexFollowsTheStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("after a purge of the stream's start")
+
+	// Console.Run reads the stream before any view: the first view of a
+	// console that ran receives about nothing.
+	nc2, js2 := e.ownJetStream()
+	c, err := console.New(console.Config{Pool: e.db.Pool, Schema: e.db.Schema, JetStream: js2,
+		DeadLetterStreams: []string{e.dlq}, SampleInterval: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	ran := make(chan error, 1)
+	go func() { ran <- c.Run(rctx) }()
+	msgs := s.CachedInfo().State.Msgs
+	if info, err := s.Info(ctx); err == nil {
+		msgs = info.State.Msgs
+	}
+	testenv.Eventually(t, 30*time.Second, "Run read the stream", func() bool { return nc2.Stats().InMsgs >= msgs })
+	stop()
+	if err := <-ran; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	srv2 := httptest.NewServer(c)
+	t.Cleanup(srv2.Close)
+	before = nc2.Stats().InMsgs
+	if m := matchRE.FindStringSubmatch(getPage(t, srv2.URL+"/dlq?stream="+e.dlq)); m == nil || m[1] == "0" {
+		t.Fatalf("after Run, the page says %v dead letters match", m)
+	}
+	if got := nc2.Stats().InMsgs - before; got > 5 {
+		t.Errorf("the first view after Run received %d messages: Run did not read the stream", got)
+	}
 }
