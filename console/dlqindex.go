@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -39,6 +40,9 @@ type indexes struct {
 
 type topicIndex struct {
 	refresh sync.Mutex // one reader of Kafka at a time
+	// created is when a JetStream stream was created, held by its
+	// refresh: another time means it was deleted and made again.
+	created time.Time
 
 	mu    sync.RWMutex // guards what follows
 	parts map[int32]*partIndex

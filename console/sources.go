@@ -135,7 +135,8 @@ const deadLetterSubjectPrefix = "dlq."
 // use, headers only, and then from the sequence after the last one read.
 // JetStream can delete a message inside a stream (a limit per subject, an
 // operator's delete); the index then holds more messages than the stream
-// says it does, and is read whole again.
+// says it does, and is read whole again. A stream deleted and made again
+// (its creation time changed) is read whole again too.
 type jetStreamSource struct {
 	js      jetstream.JetStream
 	streams []string // configured; none: discovered
@@ -187,11 +188,16 @@ func (j *jetStreamSource) sync(ctx context.Context, stream string) (*topicIndex,
 		if err != nil {
 			return nil, fmt.Errorf("dead letters: stream %q: %w", stream, err)
 		}
-		st := s.CachedInfo().State
+		info := s.CachedInfo()
+		st := info.State
+		if !info.Created.Equal(t.created) {
+			// Deleted and made again (or not read yet): its sequences name
+			// other messages.
+			t.reset()
+			t.created = info.Created
+		}
 		// The stream as partition 0 from FirstSeq to LastSeq: trim forgets
-		// what limits or a purge removed from its start, and everything
-		// when the stream was deleted and made again (its LastSeq went
-		// back).
+		// what limits or a purge removed from its start.
 		ends := map[int32]int64{0: int64(st.LastSeq) + 1}
 		from := t.trim(map[int32]int64{0: int64(st.FirstSeq)}, ends)
 		var recs []*kgo.Record

@@ -315,7 +315,8 @@ func TestConsoleJetStreamDiscoversDeadLetterStreams(t *testing.T) {
 // and then only what it gained, yet list what natsconsumer.DeadLetters
 // lists on the whole stream (the key being the natsconsumer.HeaderKey
 // header): copies of one dead-lettering once, messages that are not dead
-// letters, nothing deleted inside the stream, nothing purged from its start.
+// letters, nothing deleted inside the stream, nothing purged from its
+// start, nothing of the stream it was before it was deleted and made again.
 // The console's connection receives about nothing for a view after which
 // the stream gained nothing, and a few messages for three more; after
 // Console.Run, the first view receives about nothing.
@@ -414,6 +415,24 @@ func TestConsoleJetStreamIndexFollowsTheStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("after a purge of the stream's start")
+
+	// The stream deleted and made again, with more messages than before:
+	// their sequences name other dead letters now.
+	if err := e.js.DeleteStream(ctx, e.dlq); err != nil {
+		t.Fatal(err)
+	}
+	if s, err = e.js.CreateStream(ctx, jetstream.StreamConfig{Name: e.dlq, Subjects: []string{"dlq." + e.stream + ".>"}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := 1001; i <= 1300; i++ {
+		publish(i, 0)
+	}
+	before = received()
+	view(300)
+	if got := received() - before; got > 300+5 {
+		t.Errorf("the view after the stream was made again received %d messages: want its 300 read once", got)
+	}
+	check("after the stream was made again")
 
 	// Console.Run reads the stream before any view: the first view of a
 	// console that ran receives about nothing.
