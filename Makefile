@@ -13,7 +13,7 @@ FUZZTIME ?= 30s
 # environment.
 PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/... ./oncelytest/...
 
-.PHONY: test-console-browser console-screenshots bench-console check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency lint vet fmt-check
+.PHONY: test-console-browser console-screenshots bench-console check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency bench-nats lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -97,6 +97,12 @@ bench-chaos:
 ## hand-written Redis SET NX + GET version, in one run, with the ratios
 bench-idempotency:
 	cd bench && $(GO) run . idempotency $(IDEM_FLAGS)
+
+## bench-nats: the NATS JetStream consumer, per message and in batch mode, against a
+## hand-written JetStream consumer (pull Fetch, inbox insert, effect, commit, Ack), in one
+## run, on the local nats-server (NATS_URL) and Postgres (docs/BENCHMARKS.md)
+bench-nats:
+	cd bench && $(GO) run . nats $(NATS_FLAGS)
 
 ## bench-outbox: the outbox relay against a raw-SQL ceiling, in one run, with the ratio
 bench-outbox:

@@ -8,7 +8,9 @@
 //
 // `go run . idempotency [flags]` measures the Idempotency-Key middleware
 // instead: its Postgres and Redis stores against a hand-written Redis
-// SET NX + GET version (make bench-idempotency).
+// SET NX + GET version (make bench-idempotency). `go run . nats [flags]`
+// measures the NATS JetStream consumer, per message and in batch mode,
+// against a hand-written JetStream consumer (make bench-nats).
 package main
 
 import (
@@ -90,6 +92,13 @@ func main() {
 	// process, so that this one's RSS is the consumers' own.
 	if len(os.Args) == 2 && os.Args[1] == kfakechild.Arg {
 		if err := kfakechild.Serve(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		return
+	}
+	if len(os.Args) >= 2 && os.Args[1] == natsCommand {
+		if err := runNATS(os.Args[2:]); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}

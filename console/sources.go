@@ -131,7 +131,7 @@ const deadLetterSubjectPrefix = "dlq."
 
 // jetStreamSource is JetStream's dead-letter streams. Each stream is
 // indexed as a Kafka topic of one partition whose offsets are the stream
-// sequences (natsconsumer.ReadStream's records): read whole at its first
+// sequences (natsconsumer.ReadRange's records): read whole at its first
 // use, headers only, and then from the sequence after the last one read.
 // JetStream can delete a message inside a stream (a limit per subject, an
 // operator's delete); the index then holds more messages than the stream
@@ -201,9 +201,11 @@ func (j *jetStreamSource) sync(ctx context.Context, stream string) (*topicIndex,
 		ends := map[int32]int64{0: int64(st.LastSeq) + 1}
 		from := t.trim(map[int32]int64{0: int64(st.FirstSeq)}, ends)
 		var recs []*kgo.Record
-		err = j.read(ctx, s, natsconsumer.StreamRange{From: uint64(from[0]), To: st.LastSeq + 1, HeadersOnly: true}, func(r *kgo.Record) {
-			recs = append(recs, r)
-		})
+		err = natsconsumer.ReadRange(ctx, s, natsconsumer.StreamRange{From: uint64(from[0]), To: st.LastSeq + 1, HeadersOnly: true},
+			func(r *kgo.Record) error {
+				recs = append(recs, r)
+				return nil
+			})
 		if err != nil {
 			return nil, fmt.Errorf("dead letters: %w", err)
 		}
@@ -230,22 +232,6 @@ func (j *jetStreamSource) connected() error {
 	return fmt.Errorf("NATS: not connected (%s)", nc.Status())
 }
 
-// read reads r of s, each record's key being its natsconsumer.HeaderKey
-// header (the key of the outbox row it was published from), so that the
-// key filter and column work as on Kafka.
-func (j *jetStreamSource) read(ctx context.Context, s jetstream.Stream, r natsconsumer.StreamRange, fn func(*kgo.Record)) error {
-	return natsconsumer.ReadStream(ctx, s, r, func(rec *kgo.Record) error {
-		for _, h := range rec.Headers {
-			if h.Key == natsconsumer.HeaderKey {
-				rec.Key = h.Value
-				break
-			}
-		}
-		fn(rec)
-		return nil
-	})
-}
-
 // withValues reads the entries' messages whole: the sequences from the
 // first entry's to the last's.
 func (j *jetStreamSource) withValues(ctx context.Context, stream string, entries []dlq.Entry) ([]dlq.Entry, error) {
@@ -264,10 +250,11 @@ func (j *jetStreamSource) withValues(ctx context.Context, stream string, entries
 	}
 	out := slices.Clone(entries)
 	got := make([]bool, len(entries))
-	err = j.read(ctx, s, natsconsumer.StreamRange{From: uint64(lo), To: uint64(hi) + 1}, func(r *kgo.Record) {
+	err = natsconsumer.ReadRange(ctx, s, natsconsumer.StreamRange{From: uint64(lo), To: uint64(hi) + 1}, func(r *kgo.Record) error {
 		if i, ok := want[r.Offset]; ok {
 			out[i].Record, got[i] = r, true
 		}
+		return nil
 	})
 	if err != nil {
 		return nil, fmt.Errorf("dead letters: read messages: %w", err)

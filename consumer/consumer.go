@@ -1119,7 +1119,9 @@ func (c *Consumer) deliver(ctx context.Context, rec *kgo.Record, src Source, pri
 // Topic the name it was published to, Offset its sequence in the broker,
 // Headers its headers (the trace context among them), Timestamp when it was
 // stored. Of cfg, the Kafka group's fields (Brokers, Topics, ClientOpts,
-// offsets, batch and key modes, Concurrency) are not used; DeadLetterTopic
+// offsets, BatchMaxWait, key modes, Concurrency) are not used; BatchHandler
+// (with BatchSize above 1), BatchLockTimeout and ConflictKeys apply to
+// DeliverBatch's transactions; DeadLetterTopic
 // names a message's dead-letter destination in spans and logs; crash-loop
 // detection is off (CrashLoopLimit -1): the broker's delivery count, through
 // Source.Spent, stands for it.
@@ -1143,6 +1145,37 @@ func (c *Consumer) Deliver(ctx context.Context, rec *kgo.Record, src Source) boo
 	c.metrics.consumed.Add(ctx, 1, c.topicAttrs(rec))
 	c.checkID(ctx, rec)
 	return c.deliver(ctx, rec, src, nil)
+}
+
+// DeliverBatch runs recs, each with its Source in srcs, through the record
+// path's batch mode (see Config.BatchSize): one transaction whose first
+// statement claims all of their ids with one multi-row insert; each new
+// message's Handler under a savepoint of its own (or the BatchHandler once
+// for them all); COMMIT; then each message is settled by its Source. A
+// message whose handler failed is rolled back to its savepoint alone, and
+// once the others committed it goes on to the record path (Deliver) with
+// that failure counted as an attempt: it is retried, handed back to the
+// broker or dead-lettered there. A batch that fails as a whole runs each of
+// its messages alone. Messages that cannot share a batch (an undecodable
+// id, a redrive) run alone in their place. The messages keep no order: a
+// failed one holds back no other. It reports whether every message was
+// settled here: false when ctx ended, or a Source stopped or handed its
+// message back to the broker.
+func (c *Consumer) DeliverBatch(ctx context.Context, recs []*kgo.Record, srcs []Source) bool {
+	if len(recs) != len(srcs) {
+		panic(fmt.Sprintf("consumer: DeliverBatch: %d records and %d sources", len(recs), len(srcs)))
+	}
+	if len(recs) == 0 {
+		return true
+	}
+	for _, rec := range recs {
+		c.metrics.consumed.Add(ctx, 1, c.topicAttrs(rec))
+		c.checkID(ctx, rec)
+	}
+	p := &batchPath{ctx: ctx, unordered: true, alone: func(rec *kgo.Record, src Source) bool {
+		return c.deliver(ctx, rec, src, nil)
+	}}
+	return c.processBatch(p, recs, srcs)
 }
 
 // spanAttrsKey carries WithSpanAttributes's attributes.

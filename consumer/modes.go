@@ -39,16 +39,20 @@ func (w *worker) pop() (*kgo.Record, bool) {
 // records, a transaction per batch.
 func (w *worker) loopBatches(size int) {
 	batch := make([]*kgo.Record, 0, size)
+	srcs := make([]Source, 0, size)
+	p := &batchPath{ctx: w.ctx, alone: func(rec *kgo.Record, _ Source) bool { return w.process(rec) }, done: w.markDone}
 	for {
 		var ok bool
 		if batch, ok = w.nextBatch(batch[:0], size); !ok {
 			return
 		}
 		w.r.c.metrics.consumed.Add(w.ctx, int64(len(batch)), w.r.c.topicAttrs(batch[0]))
+		srcs = srcs[:0]
 		for _, rec := range batch {
 			w.r.c.checkID(w.ctx, rec)
+			srcs = append(srcs, kafkaSource{w})
 		}
-		if !w.processBatch(batch) {
+		if !w.r.c.processBatch(p, batch, srcs) {
 			return
 		}
 	}
@@ -91,143 +95,212 @@ func (w *worker) nextBatch(batch []*kgo.Record, size int) ([]*kgo.Record, bool) 
 	return batch, true
 }
 
-// processBatch processes recs in offset order and marks their offsets.
-// Records that cannot join a batch (oversized, an undecodable id, a
-// redrive, conflict keys that panicked) take the record path in their
-// place; the others share transactions.
-func (w *worker) processBatch(recs []*kgo.Record) bool {
-	c := w.r.c
+// batchPath is what the batch code needs of whoever fetched the records:
+// the Kafka partition worker (loopBatches), or a broker adapter handing
+// over messages, each with its Source (DeliverBatch).
+type batchPath struct {
+	ctx context.Context
+	// alone runs rec on the record path, in a transaction of its own.
+	alone func(rec *kgo.Record, src Source) bool
+	// done, when set, is told that every record up to rec finished (the
+	// Kafka worker marks its offset).
+	done func(rec *kgo.Record)
+	// unordered: the records keep no order (a broker that hands a failed
+	// message back for redelivery, JetStream's Nak). A failed record
+	// holds back no later record with its key, and a record handed back
+	// or stopped stops only itself, not the records after it.
+	unordered bool
+}
+
+// next reports whether the batch goes on after a record whose path
+// reported ok.
+func (p *batchPath) next(ok bool) bool {
+	return ok || p.unordered && p.ctx.Err() == nil
+}
+
+// processBatch processes recs, each with its Source in srcs, in offset
+// order, and tells p.done as they finish. Records that cannot join a batch
+// (oversized, an undecodable id, a redrive, conflict keys that panicked)
+// take the record path in their place; the others share transactions. It
+// reports false when the path stopped (for an unordered path: when its
+// context ended, or any record was not settled here).
+func (c *Consumer) processBatch(p *batchPath, recs []*kgo.Record, srcs []Source) bool {
 	var b batch
+	all := true
 	flush := func() bool {
 		if len(b.recs) == 0 {
 			return true
 		}
-		if !w.runBatch(&b) {
+		ok := c.runBatch(p, &b)
+		all = all && ok
+		if !p.next(ok) {
 			return false
 		}
-		w.markDone(b.recs[len(b.recs)-1])
+		if p.done != nil {
+			p.done(b.recs[len(b.recs)-1])
+		}
 		b.reset()
 		return true
 	}
-	for _, rec := range recs {
+	for i, rec := range recs {
 		id, err := c.messageID(rec)
-		alone := err != nil || isRedrive(rec) || (c.cfg.MaxRecordBytes > 0 && recordSize(rec) > c.cfg.MaxRecordBytes)
+		// A record the broker delivered MaxAttempts times already is
+		// settled by the record path without running (deliveredOut).
+		spent := srcs[i].Spent()
+		alone := err != nil || isRedrive(rec) || (c.cfg.MaxRecordBytes > 0 && recordSize(rec) > c.cfg.MaxRecordBytes) ||
+			spent >= c.cfg.MaxAttempts
 		if !alone {
-			msg := newMessage(rec, id, 1)
+			msg := newMessage(rec, id, spent+1)
 			if locks, err := c.conflictKeys(b.locks, msg); err == nil {
-				b.recs, b.ids, b.msgs, b.locks = append(b.recs, rec), append(b.ids, id), append(b.msgs, msg), locks
+				b.recs, b.srcs, b.ids, b.msgs, b.locks = append(b.recs, rec), append(b.srcs, srcs[i]), append(b.ids, id), append(b.msgs, msg), locks
 				continue
 			}
 		}
-		if !flush() || !w.process(rec) {
+		if !flush() {
 			return false
 		}
-		w.markDone(rec)
+		ok := p.alone(rec, srcs[i])
+		all = all && ok
+		if !p.next(ok) {
+			return false
+		}
+		if p.done != nil {
+			p.done(rec)
+		}
 	}
-	return flush()
+	return flush() && all
 }
 
-// batch is the records of one batch transaction, their ids and messages,
-// and the lock ids of their conflict keys.
+// batch is the records of one batch transaction, their sources, ids and
+// messages, and the lock ids of their conflict keys.
 type batch struct {
 	recs  []*kgo.Record
+	srcs  []Source
 	ids   []string
 	msgs  []*Message
 	locks []int64
 }
 
 func (b *batch) reset() {
-	b.recs, b.ids, b.msgs, b.locks = b.recs[:0], b.ids[:0], b.msgs[:0], b.locks[:0]
+	b.recs, b.srcs, b.ids, b.msgs, b.locks = b.recs[:0], b.srcs[:0], b.ids[:0], b.msgs[:0], b.locks[:0]
+}
+
+// databaseDown tells each distinct source of b whether the database
+// answered the batch's transaction.
+func (b *batch) databaseDown(down bool) {
+	for i, s := range b.srcs {
+		if i == 0 || s != b.srcs[0] {
+			s.DatabaseDown(down)
+		}
+	}
 }
 
 // runBatch processes b in one transaction, retrying it while the database
-// is unreachable or the transaction lost to contention. Records whose
-// handler failed in it (and records after them with the same key) are then
-// processed on the record path, in order.
-func (w *worker) runBatch(b *batch) bool {
-	c := w.r.c
-	recs := b.recs
+// is unreachable or the transaction lost to contention (waiting in the
+// first record's Source). Each record is settled by its Source after the
+// commit. Records whose handler failed in it (and, unless the path is
+// unordered, records after them with the same key) are then processed on
+// the record path, in order.
+func (c *Consumer) runBatch(p *batchPath, b *batch) bool {
+	recs, srcs := b.recs, b.srcs
+	lead := srcs[0]
 	for n, contended := 1, 0; ; n++ {
-		if !w.acquire() {
+		sl, slotted := lead.(slotter)
+		if slotted && !sl.acquire() {
 			return false
 		}
-		outs, err, infra := c.attemptBatch(w.ctx, recs, b.ids, b.msgs, b.locks)
-		w.release()
+		outs, err, infra := c.attemptBatch(p.ctx, recs, b.ids, b.msgs, b.locks, p.unordered)
+		if slotted {
+			sl.release()
+		}
 		switch {
 		case err == nil:
-		case w.ctx.Err() != nil:
+		case p.ctx.Err() != nil:
 			return false // abandoned: the transaction rolled back
 		case isContention(err):
 			// The batch lost to another transaction as a whole (its batch
 			// handler or its commit): run it again, soon, attempts unspent.
-			w.databaseDown(false)
+			b.databaseDown(false)
 			contended++
-			c.contended(w.ctx, recs[0], len(recs))
+			c.contended(p.ctx, recs[0], len(recs))
 			delay := contentionBackoff.Delay(contended)
 			c.cfg.Logger.Debug("oncely batch lost to contention; retrying", "topic", recs[0].Topic,
 				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "delay", delay, "err", err)
-			if !w.sleep(delay) {
+			if !lead.Pause(delay) {
 				return false
 			}
 			continue
 		case infra:
-			w.databaseDown(true)
+			b.databaseDown(true)
 			c.retries.Add(1)
-			c.metrics.retries.Add(w.ctx, 1, c.topicAttrs(recs[0]))
+			c.metrics.retries.Add(p.ctx, 1, c.topicAttrs(recs[0]))
 			delay := c.backoff.Delay(n)
-			c.outage.Warn(w.ctx, "oncely batch failed on the database; retrying", "topic", recs[0].Topic,
+			c.outage.Warn(p.ctx, "oncely batch failed on the database; retrying", "topic", recs[0].Topic,
 				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "delay", delay, "err", err)
-			if !w.sleep(delay) {
+			if !lead.Pause(delay) {
 				return false
 			}
 			continue
 		default:
 			// The batch handler (or the commit) failed as a whole: which
 			// record caused it is unknown, so each one runs alone.
-			w.databaseDown(false)
+			b.databaseDown(false)
 			c.cfg.Logger.Warn("oncely batch failed; processing its records one by one", "topic", recs[0].Topic,
 				"partition", recs[0].Partition, "first_offset", recs[0].Offset, "records", len(recs), "err", err)
-			for _, rec := range recs {
-				if !w.process(rec) {
+			all := true
+			for i, rec := range recs {
+				ok := p.alone(rec, srcs[i])
+				all = all && ok
+				if !p.next(ok) {
 					return false
 				}
 			}
-			return true
+			return all
 		}
-		w.databaseDown(false)
+		b.databaseDown(false)
 		c.batches.Add(1)
 		committed := false
+		all := true
 		for i, rec := range recs {
 			switch o := &outs[i]; {
 			case o.deferred || o.err != nil:
 				continue
 			case o.duplicate:
 				c.duplicates.Add(1)
-				c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
+				c.metrics.duplicates.Add(p.ctx, 1, c.topicAttrs(rec))
 			default:
 				c.processed.Add(1)
 				committed = true
 			}
-			if !w.hook(w.r.hooks.AfterCommit, rec) {
+			ok := srcs[i].Settle(p.ctx, rec, false)
+			all = all && ok
+			if !p.next(ok) {
 				return false
 			}
 		}
 		if committed {
-			w.r.firstCommit()
+			c.firstCommit()
 		}
 		for i, rec := range recs {
 			o := &outs[i]
 			if o.err == nil && !o.deferred {
 				continue
 			}
-			if i > 0 {
-				w.markDone(recs[i-1]) // all before rec finished
+			if i > 0 && p.done != nil {
+				p.done(recs[i-1]) // all before rec finished
 			}
-			if o.err != nil && !w.retry(rec, o) || o.deferred && !w.process(rec) {
+			ok := true
+			if o.err != nil {
+				ok = c.deliver(p.ctx, rec, srcs[i], o)
+			} else {
+				ok = p.alone(rec, srcs[i])
+			}
+			all = all && ok
+			if !p.next(ok) {
 				return false
 			}
 		}
-		return true
+		return all
 	}
 }
 
@@ -236,10 +309,10 @@ func (w *worker) runBatch(b *batch) bool {
 // then the handler for each new record under a savepoint of its own (or the
 // batch handler once), then commit. outs, aligned with recs, tell each
 // record's fate: a duplicate; deferred (not run, because an earlier record
-// with its key failed); failed (err set: its effects and claim were rolled
+// with its key failed; never when unordered); failed (err set: its effects and claim were rolled
 // back to its savepoint); or committed. A non-nil err means the whole
 // transaction rolled back; infra tells a database failure from a handler's.
-func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []string, msgs []*Message, locks []int64) (outs []result, err error, infra bool) {
+func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []string, msgs []*Message, locks []int64, unordered bool) (outs []result, err error, infra bool) {
 	start := time.Now()
 	outs = make([]result, len(recs))
 	type span struct {
@@ -258,7 +331,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		}
 	}()
 	startSpan := func(i int) context.Context {
-		sctx, sp := c.startProcessSpan(ctx, recs[i], ids[i], 1)
+		sctx, sp := c.startProcessSpan(ctx, recs[i], ids[i], msgs[i].Attempt)
 		spans = append(spans, span{i, sctx, sp})
 		outs[i].spanContext = sp.SpanContext()
 		msgs[i].ctx = sctx
@@ -295,7 +368,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 			outs[i].duplicate = true
 			startSpan(i)
 			continue
-		case failedKeys[string(rec.Key)]:
+		case !unordered && failedKeys[string(rec.Key)]:
 			outs[i].deferred = true
 			if err := c.inbox.Release(ctx, tx, c.cfg.Group, ids[i]); err != nil {
 				return outs, err, databaseFailed(err)

@@ -45,12 +45,17 @@ type natsEnv struct {
 
 func newNATSEnv(t *testing.T) *natsEnv {
 	t.Helper()
-	ctx := t.Context()
-	nc := natsConn(t)
-	js, err := jetstream.New(nc)
+	js, err := jetstream.New(natsConn(t))
 	if err != nil {
 		t.Fatal(err)
 	}
+	return newNATSEnvOn(t, js)
+}
+
+// newNATSEnvOn is newNATSEnv on the server of js.
+func newNATSEnvOn(t *testing.T, js jetstream.JetStream) *natsEnv {
+	t.Helper()
+	ctx := t.Context()
 	name := strings.ToUpper(strings.NewReplacer("-", "_", ".", "_").Replace(testenv.UniqueName("oncely")))
 	e := &natsEnv{sourceDB: newSourceDB(t), js: js, stream: name, dlq: name + "_DLQ", subject: name + ".orders"}
 	for stream, subject := range map[string]string{e.stream: name + ".>", e.dlq: "dlq." + name + ".>"} {
@@ -247,7 +252,9 @@ func TestNATSTwoConsumersRaceOneEffect(t *testing.T) {
 	var cs []*natsconsumer.Consumer
 	for _, member := range []string{"a", "b"} {
 		_, js := e.ownJetStream()
-		c, _ := e.start(t.Context(), e.config(js, h(member)))
+		cfg := e.config(js, h(member))
+		cfg.FetchAhead = -1 // each process holds one message: the one it runs
+		c, _ := e.start(t.Context(), cfg)
 		cs = append(cs, c)
 	}
 	e.settled()

@@ -24,6 +24,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/pgtest"
 	"github.com/oncely/oncely/internal/testenv"
@@ -945,4 +946,481 @@ func TestRabbitCrashLoopAcrossRestarts(t *testing.T) {
 	if st := r.c.Stats(); st.CrashLoops != 1 {
 		t.Errorf("crash loops %d, want 1", st.CrashLoops)
 	}
+}
+
+// ready is the number of messages ready in queue.
+func (e *rabbitEnv) ready(queue string) int {
+	e.t.Helper()
+	ch, err := e.conn.Channel() // closed at once: ready is polled
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer func() { _ = ch.Close() }()
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return q.Messages
+}
+
+// settledIn waits until queue holds n messages ready (a listing closed
+// gives its messages back asynchronously).
+func (e *rabbitEnv) settledIn(queue string, n int) {
+	e.t.Helper()
+	testenv.Eventually(e.t, 30*time.Second, "the queue's messages ready", func() bool { return e.ready(queue) == n })
+}
+
+// openDLQ opens the test's dead-letter queue, closed when the test ends.
+func (e *rabbitEnv) openDLQ() *rabbitconsumer.DeadLetterQueue {
+	e.t.Helper()
+	q, err := rabbitconsumer.OpenDeadLetters(e.t.Context(), rabbitURL, e.dlq)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { _ = q.Close() })
+	return q
+}
+
+// deadLetterIDs lists the dead-letter queue in a listing of its own and
+// returns the entries' message ids in listing order, and their refs.
+func (e *rabbitEnv) deadLetterIDs() (ids, refs []string) {
+	e.t.Helper()
+	q := e.openDLQ()
+	defer func() { _ = q.Close() }()
+	all, err := q.Entries(e.t.Context(), dlq.Filter{RefuseInvalid: true})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	for _, en := range all {
+		ids, refs = append(ids, en.Info.MessageID), append(refs, en.Ref())
+	}
+	return ids, refs
+}
+
+// publishEntry publishes to queue a message with en's value, the headers
+// headerOf gives and message_id id.
+func (e *rabbitEnv) publishEntry(queue, id string, en *dlq.Entry, headerOf func(*dlq.Entry) amqp.Table) {
+	e.t.Helper()
+	e.publish(queue, string(en.Record.Value), id, headerOf(en))
+}
+
+// recordHeaders is a record's headers as an AMQP table of strings.
+func recordHeaders(en *dlq.Entry) amqp.Table {
+	t := amqp.Table{}
+	for _, h := range en.Record.Headers {
+		t[h.Key] = string(h.Value)
+	}
+	return t
+}
+
+// Dead letters are listed from the dead-letter queue with package dlq's
+// filters, and the listing leaves the queue as it was (the same messages,
+// in the same order, for the next listing); a dry run publishes and
+// removes nothing; a redrive runs the message exactly once more and
+// removes its dead letter, leaving the other. A dead letter left in the
+// queue after its redrive ran (its removal lost) is skipped as processed
+// by the next redrive, and stays.
+func TestRabbitDeadLettersRedriveOnce(t *testing.T) {
+	e := newRabbitEnv(t)
+	ctx := t.Context()
+	e.publish(e.queue, "bad", "poison-1", amqp.Table{"tenant": "acme", "priority-level": int32(7)})
+	e.publish(e.queue, "garbled", "garbled-1", nil)
+	e.publish(e.queue, "good", "good-1", nil)
+	var fixed atomic.Bool
+	var runs atomic.Int32
+	var tenant atomic.Value
+	r := e.start(ctx, e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		runs.Add(1)
+		switch {
+		case fixed.Load():
+			if d, ok := rabbitconsumer.Delivery(msg); ok {
+				tenant.Store(fmt.Sprintf("%s/%T(%v)/attempt %d", amqpHeader(*d, "tenant"), d.Headers["priority-level"], d.Headers["priority-level"], msg.Attempt))
+			}
+		case string(msg.Value) == "bad":
+			return dlq.Permanent(errors.New("order has no id"))
+		case string(msg.Value) == "garbled":
+			return dlq.Undecodable(errors.New("body is not JSON"))
+		}
+		return sourceEffect("w")(ctx, tx, msg)
+	}))
+	testenv.Eventually(t, 30*time.Second, "two dead letters and one processed", func() bool {
+		st := r.c.Stats()
+		return st.DeadLettered == 2 && st.Processed == 1
+	})
+	e.settledIn(e.dlq, 2)
+
+	q := e.openDLQ()
+	all, err := q.Entries(ctx, dlq.Filter{RefuseInvalid: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) != 2 || all[0].Info.MessageID != "poison-1" || all[0].Info.Class != dlq.ClassPermanent ||
+		all[0].Info.Topic != e.queue || all[0].Ref() != e.dlq+"/0/0" ||
+		all[1].Info.MessageID != "garbled-1" || all[1].Ref() != e.dlq+"/0/1" {
+		t.Fatalf("dead letters %+v, want poison-1 at %s/0/0 and garbled-1 at 0/1, from %s", all, e.dlq, e.queue)
+	}
+	for _, tc := range []struct {
+		f    dlq.Filter
+		want []string
+	}{
+		{dlq.Filter{Class: dlq.ClassUndecodable}, []string{"garbled-1"}},
+		{dlq.Filter{MessageID: "poison-1"}, []string{"poison-1"}},
+		{dlq.Filter{Refs: []string{"0/1"}}, []string{"garbled-1"}},
+		{dlq.Filter{Refs: []string{e.dlq + "/0/0"}, Class: dlq.ClassPermanent}, []string{"poison-1"}},
+		{dlq.Filter{MessageID: "good-1"}, nil},
+	} {
+		got, err := q.Entries(ctx, tc.f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, en := range got {
+			ids = append(ids, en.Info.MessageID)
+		}
+		if !slices.Equal(ids, tc.want) {
+			t.Errorf("filter %+v: %q, want %q", tc.f, ids, tc.want)
+		}
+	}
+	if n := e.ready(e.dlq); n != 0 {
+		t.Fatalf("%d dead letters ready while the listing holds them, want 0", n)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.settledIn(e.dlq, 2)
+	if ids, refs := e.deadLetterIDs(); !slices.Equal(ids, []string{"poison-1", "garbled-1"}) ||
+		!slices.Equal(refs, []string{e.dlq + "/0/0", e.dlq + "/0/1"}) {
+		t.Fatalf("listing again: %q at %q, want the same messages at the same positions", ids, refs)
+	}
+	e.settledIn(e.dlq, 2)
+
+	inbox, err := dedup.New(dedup.Config{Schema: e.db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := dlq.RedriveOptions{Inbox: inbox, DB: e.db.Pool}
+	dry := opts
+	dry.DryRun = true
+	q = e.openDLQ()
+	all, err = q.Entries(ctx, dlq.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := q.Redrive(ctx, all, dry)
+	if err != nil || len(res) != 2 || res[0].Action != dlq.WouldRedrive || res[1].Action != dlq.WouldRedrive {
+		t.Fatalf("dry run: %+v, %v", res, err)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.settledIn(e.dlq, 2)
+	if n := e.ready(e.queue); n != 0 {
+		t.Fatalf("the dry run published: %d messages in %s", n, e.queue)
+	}
+	if n := e.count(`SELECT count(*) FROM redrive_grants`); n != 0 {
+		t.Fatalf("the dry run granted %d redrives", n)
+	}
+
+	fixed.Store(true)
+	q = e.openDLQ()
+	poison, err := q.Entries(ctx, dlq.Filter{MessageID: "poison-1"})
+	if err != nil || len(poison) != 1 {
+		t.Fatalf("poison-1's dead letter: %d entries, %v", len(poison), err)
+	}
+	res, err = q.Redrive(ctx, poison, opts)
+	if err != nil || len(res) != 1 || res[0].Action != dlq.Redriven || res[0].Topic != e.queue || res[0].Offset != -1 {
+		t.Fatalf("redrive: %+v, %v; want redriven to %s", res, err, e.queue)
+	}
+	if left, err := q.Entries(ctx, dlq.Filter{}); err != nil || len(left) != 1 || left[0].Info.MessageID != "garbled-1" {
+		t.Fatalf("after the redrive the listing holds %+v, %v; want garbled-1 only", left, err)
+	}
+	testenv.Eventually(t, 30*time.Second, "the redriven message's effect", func() bool {
+		return e.count(`SELECT count(*) FROM effects WHERE message_id = 'poison-1'`) == 1
+	})
+	// Its own headers, in their AMQP types, and none of the dead-letter
+	// queue's delivery counts (the listings' deliveries) as attempts.
+	if got, _ := tenant.Load().(string); got != "acme/int32(7)/attempt 1" {
+		t.Errorf("the redriven message's tenant/priority-level/attempt = %q, want acme/int32(7)/attempt 1", got)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.settledIn(e.dlq, 1)
+	if ids, _ := e.deadLetterIDs(); !slices.Equal(ids, []string{"garbled-1"}) {
+		t.Fatalf("dead letters after the redrive: %q, want garbled-1 only", ids)
+	}
+	if n := e.count(`SELECT count(*) FROM inbox WHERE message_id = 'poison-1' AND outcome = 'processed'`); n != 1 {
+		t.Errorf("inbox: poison-1 processed %d times, want 1", n)
+	}
+
+	// poison-1's dead letter again, as if its removal had been lost.
+	e.publishEntry(e.dlq, "poison-1", &poison[0], recordHeaders)
+	e.settledIn(e.dlq, 2)
+	q = e.openDLQ()
+	again, err := q.Entries(ctx, dlq.Filter{MessageID: "poison-1"})
+	if err != nil || len(again) != 1 {
+		t.Fatalf("poison-1's dead letter again: %d entries, %v", len(again), err)
+	}
+	res, err = q.Redrive(ctx, again, opts)
+	if err != nil || len(res) != 1 || res[0].Action != dlq.SkipProcessed {
+		t.Fatalf("second redrive: %+v, %v; want skipped as processed", res, err)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.settledIn(e.dlq, 2)
+	r.stop(t)
+	e.empty(e.queue)
+	e.effects(2) // good-1 and the redriven poison-1, once each
+	if n := runs.Load(); n != 4 {
+		t.Errorf("handler ran %d times, want 4 (good-1, poison-1, garbled-1, poison-1's redrive)", n)
+	}
+}
+
+// A message that carries the oncely-redrive header without an operator's
+// redrive (any producer can write it) is a duplicate of its dead-lettered
+// id, whether its ref is made up or the dead letter's own: nothing runs. A
+// real redrive after them runs the message once more, and a copy of the
+// redriven message after it is a duplicate again.
+func TestRabbitForgedRedriveHeaderChangesNothing(t *testing.T) {
+	e := newRabbitEnv(t)
+	ctx := t.Context()
+	e.publish(e.queue, "order", "order-9", nil)
+	var accept atomic.Bool
+	r := e.start(ctx, e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if !accept.Load() {
+			return dlq.Permanent(errors.New("negative amount"))
+		}
+		return sourceEffect("w")(ctx, tx, msg)
+	}))
+	testenv.Eventually(t, 30*time.Second, "dead-lettered", func() bool { return r.c.Stats().DeadLettered == 1 })
+	e.settledIn(e.dlq, 1)
+	accept.Store(true)
+
+	q := e.openDLQ()
+	all, err := q.Entries(ctx, dlq.Filter{RefuseInvalid: true})
+	if err != nil || len(all) != 1 {
+		t.Fatalf("dead letters: %d, %v", len(all), err)
+	}
+	forged := func(en *dlq.Entry) amqp.Table {
+		t := amqp.Table{}
+		for _, h := range dlq.RedriveRecord(en, e.queue, dlq.HeaderMessageIDDefault).Headers {
+			t[h.Key] = string(h.Value)
+		}
+		return t
+	}
+	e.publish(e.queue, "order", "order-9", amqp.Table{dlq.HeaderRedrive: "anything/0/0"})
+	e.publishEntry(e.queue, "order-9", &all[0], forged)
+	testenv.Eventually(t, 30*time.Second, "both forged copies skipped", func() bool { return r.c.Stats().Duplicates == 2 })
+	if n := e.count(`SELECT count(*) FROM effects`); n != 0 {
+		t.Fatalf("%d effects: a forged redrive header ran a dead-lettered message", n)
+	}
+
+	res, err := q.Redrive(ctx, all, dlq.RedriveOptions{Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool})
+	if err != nil || len(res) != 1 || res[0].Action != dlq.Redriven {
+		t.Fatalf("redrive: %+v, %v", res, err)
+	}
+	testenv.Eventually(t, 30*time.Second, "the redriven order applied", func() bool { return r.c.Stats().Processed == 1 })
+	e.publishEntry(e.queue, "order-9", &all[0], forged)
+	testenv.Eventually(t, 30*time.Second, "a copy of the redriven message skipped", func() bool { return r.c.Stats().Duplicates == 3 })
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	r.stop(t)
+	e.empty(e.queue)
+	e.empty(e.dlq)
+	e.effects(1)
+	if st := r.c.Stats(); st.DeadLettered != 1 {
+		t.Errorf("dead-lettered %d, want 1", st.DeadLettered)
+	}
+}
+
+// `oncely dlq list|show|redrive --queue` works on a RabbitMQ dead-letter
+// queue as on a Kafka topic: the dead letter listed (and in --json) and
+// shown by 0/position, each listing leaving the queue as it was; a queue of
+// other messages refused and left with its messages; a dry run changing
+// nothing; a redrive running the message once, with its grant in the
+// consumers' database, and removing the dead letter.
+func TestRabbitCLIDeadLetters(t *testing.T) {
+	e := newRabbitEnv(t)
+	ctx := t.Context()
+	oncely := oncelyCLI(t)
+	e.publish(e.queue, "bad", "poison-1", nil)
+	var fixed atomic.Bool
+	r := e.start(ctx, e.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if !fixed.Load() {
+			return dlq.Permanent(errors.New("rejected by v1"))
+		}
+		return sourceEffect("w")(ctx, tx, msg)
+	}))
+	testenv.Eventually(t, 30*time.Second, "dead-lettered", func() bool { return r.c.Stats().DeadLettered == 1 })
+	e.settledIn(e.dlq, 1)
+
+	queue := []string{"--amqp", rabbitURL, "--queue", e.dlq}
+	code, out, errs := oncely(t, append([]string{"dlq", "list"}, queue...)...)
+	if code != 0 || !strings.Contains(out, "poison-1") || !strings.Contains(out, "permanent") || !strings.Contains(out, "0/0") {
+		t.Fatalf("dlq list: exit %d\n%s\n%s", code, out, errs)
+	}
+	e.settledIn(e.dlq, 1)
+	code, out, errs = oncely(t, append([]string{"dlq", "list", "--json", "--class", "max_attempts"}, queue...)...)
+	if code != 0 || out != "" {
+		t.Fatalf("dlq list --class max_attempts: exit %d\n%s\n%s, want no JSON line", code, out, errs)
+	}
+	code, out, errs = oncely(t, append([]string{"dlq", "list", "--json", "--class", "permanent"}, queue...)...)
+	if code != 0 || strings.Count(out, "\n") != 1 || !strings.Contains(out, `"message_id":"poison-1"`) {
+		t.Fatalf("dlq list --json --class permanent: exit %d\n%s\n%s, want one JSON line", code, out, errs)
+	}
+	code, out, errs = oncely(t, append([]string{"dlq", "show", "0/0"}, queue...)...)
+	if code != 0 || !strings.Contains(out, "rejected by v1") || !strings.Contains(out, e.queue) {
+		t.Fatalf("dlq show 0/0: exit %d\n%s\n%s", code, out, errs)
+	}
+	e.settledIn(e.dlq, 1)
+
+	other := testenv.UniqueName("oncely-rabbit-other")
+	e.declareQueue(other)
+	e.publish(other, "an order", "order-1", nil)
+	e.publish(other, "another", "order-2", nil)
+	code, out, errs = oncely(t, "dlq", "list", "--amqp", rabbitURL, "--queue", other)
+	if code == 0 || !strings.Contains(errs, "is not a dead-letter queue") {
+		t.Fatalf("dlq list of a source queue: exit %d\n%s\n%s, want a refusal", code, out, errs)
+	}
+	e.settledIn(other, 2)
+	if got := e.take(other, 2); string(got[0].Body) != "an order" || got[0].MessageId != "order-1" || string(got[1].Body) != "another" {
+		t.Fatalf("the refused queue's messages: %q %q, %q; want them unchanged, in order", got[0].Body, got[0].MessageId, got[1].Body)
+	}
+
+	fixed.Store(true)
+	db := []string{"--database-url", e.db.URL, "--schema", e.db.Schema}
+	code, out, errs = oncely(t, append(append([]string{"dlq", "redrive", "--all", "--dry-run"}, queue...), db...)...)
+	if code != 0 || !strings.Contains(out, "1 would be redriven") {
+		t.Fatalf("dlq redrive --dry-run: exit %d\n%s\n%s", code, out, errs)
+	}
+	e.settledIn(e.dlq, 1)
+	if n := e.ready(e.queue); n != 0 {
+		t.Fatalf("the dry run published: %d messages in %s", n, e.queue)
+	}
+	code, out, errs = oncely(t, append(append([]string{"dlq", "redrive", "--message-id", "poison-1"}, queue...), db...)...)
+	if code != 0 || !strings.Contains(out, "1 redriven") || !strings.Contains(out, "-> "+e.queue+"\n") {
+		t.Fatalf("dlq redrive: exit %d\n%s\n%s", code, out, errs)
+	}
+	testenv.Eventually(t, 30*time.Second, "the redriven message's effect", func() bool {
+		return e.count(`SELECT count(*) FROM effects WHERE message_id = 'poison-1'`) == 1
+	})
+	e.empty(e.dlq)
+	code, out, errs = oncely(t, append(append([]string{"dlq", "redrive", "--all"}, queue...), db...)...)
+	if code != 0 || !strings.Contains(out, "0 selected") {
+		t.Fatalf("second dlq redrive: exit %d\n%s\n%s", code, out, errs)
+	}
+	r.stop(t)
+	e.empty(e.queue)
+	e.effects(1)
+}
+
+// publishDeadLetter publishes to queue a dead letter of the test's queue
+// (group workers, class permanent) with message id id and body "body of
+// id", as the consumer would.
+func (e *rabbitEnv) publishDeadLetter(queue, id string) {
+	e.t.Helper()
+	now := time.Now()
+	info := dlq.Info{Topic: e.queue, Group: "workers", MessageID: id, Attempts: 1, FirstFailure: now, LastFailure: now,
+		Class: dlq.ClassPermanent, Error: "rejected", Timestamp: now}
+	h := amqp.Table{rabbitconsumer.HeaderQueue: e.queue}
+	for _, x := range info.Headers() {
+		h[x.Key] = string(x.Value)
+	}
+	e.publish(queue, "body of "+id, id, h)
+}
+
+// A listing keeps the queue's order, on a classic dead-letter queue (a
+// message given back returns to its place) as on a quorum one (the
+// messages given back come first, in the order given back): a second
+// listing names the same messages at the same positions, a dead letter
+// that came while the first was open follows them, and after a redrive
+// removed one the others keep their order, the later ones a position
+// earlier. The redriven copy in the source queue carries the message id,
+// the redrive header naming the listing's ref, and no oncely-dlq-* header.
+func TestRabbitDeadLetterListingOrder(t *testing.T) {
+	for _, kind := range []string{"classic", "quorum"} {
+		t.Run(kind, func(t *testing.T) {
+			e := newRabbitEnv(t)
+			ctx := t.Context()
+			dq := testenv.UniqueName("oncely-rabbit-" + kind + ".dlq")
+			if _, err := e.channel().QueueDeclare(dq, true, false, false, false, amqp.Table{"x-queue-type": kind}); err != nil {
+				t.Fatal(err)
+			}
+			e.deleteAtEnd(dq)
+			e.dlq = dq
+			deadLetter := func(id string) { e.publishDeadLetter(dq, id) }
+			for _, id := range []string{"m0", "m1", "m2", "m3", "m4"} {
+				deadLetter(id)
+			}
+			want := []string{"m0", "m1", "m2", "m3", "m4"}
+			if ids, refs := e.deadLetterIDs(); !slices.Equal(ids, want) || refs[4] != dq+"/0/4" {
+				t.Fatalf("listing: %q at %q, want %q at 0 to 4", ids, refs, want)
+			}
+			e.settledIn(dq, 5)
+			q := e.openDLQ()
+			all, err := q.Entries(ctx, dlq.Filter{})
+			if err != nil || len(all) != 5 {
+				t.Fatalf("second listing: %d entries, %v", len(all), err)
+			}
+			deadLetter("m5") // while the listing holds the others
+			for i, en := range all {
+				if en.Info.MessageID != want[i] || en.Ref() != fmt.Sprintf("%s/0/%d", dq, i) {
+					t.Fatalf("second listing: %s at %s, want %s at 0/%d", en.Info.MessageID, en.Ref(), want[i], i)
+				}
+			}
+			res, err := q.Redrive(ctx, all[2:3], dlq.RedriveOptions{Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool})
+			if err != nil || len(res) != 1 || res[0].Action != dlq.Redriven {
+				t.Fatalf("redrive m2: %+v, %v", res, err)
+			}
+			if err := q.Close(); err != nil {
+				t.Fatal(err)
+			}
+			e.settledIn(dq, 5)
+			if ids, _ := e.deadLetterIDs(); !slices.Equal(ids, []string{"m0", "m1", "m3", "m4", "m5"}) {
+				t.Fatalf("listing after the redrive: %q, want m0 m1 m3 m4 m5", ids)
+			}
+			copies := e.take(e.queue, 1)
+			c := copies[0]
+			if c.MessageId != "m2" || string(c.Body) != "body of m2" || amqpHeader(c, dlq.HeaderRedrive) != dq+"/0/2" ||
+				amqpHeader(c, dlq.HeaderMessageIDDefault) != "m2" || c.DeliveryMode != amqp.Persistent {
+				t.Fatalf("redriven copy: message id %q, body %q, headers %v", c.MessageId, c.Body, c.Headers)
+			}
+			for k := range c.Headers {
+				if strings.HasPrefix(k, dlq.Prefix) {
+					t.Errorf("redriven copy keeps header %s", k)
+				}
+			}
+		})
+	}
+}
+
+// A redrive to a queue that does not exist (RabbitMQ returns the mandatory
+// copy) fails naming it, revokes its grant and removes nothing: the dead
+// letter is given back on Close.
+func TestRabbitRedriveUnroutableKeepsDeadLetter(t *testing.T) {
+	e := newRabbitEnv(t)
+	ctx := t.Context()
+	e.publishDeadLetter(e.dlq, "m0")
+	q := e.openDLQ()
+	all, err := q.Entries(ctx, dlq.Filter{RefuseInvalid: true})
+	if err != nil || len(all) != 1 {
+		t.Fatalf("dead letters: %d, %v", len(all), err)
+	}
+	missing := testenv.UniqueName("oncely-rabbit-missing")
+	res, err := q.Redrive(ctx, all, dlq.RedriveOptions{ToTopic: missing, Inbox: dedup.MustNew(e.db.Schema), DB: e.db.Pool})
+	if !errors.Is(err, rabbitconsumer.ErrUnroutable) || !strings.Contains(err.Error(), missing) || len(res) != 0 {
+		t.Fatalf("redrive to a missing queue: %+v, %v; want ErrUnroutable naming %s", res, err, missing)
+	}
+	if n := e.count(`SELECT count(*) FROM redrive_grants`); n != 0 {
+		t.Errorf("%d grants left after the failed redrive, want 0", n)
+	}
+	if left, err := q.Entries(ctx, dlq.Filter{}); err != nil || len(left) != 1 {
+		t.Fatalf("the listing after the failed redrive: %d entries, %v; want the dead letter", len(left), err)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.settledIn(e.dlq, 1)
 }

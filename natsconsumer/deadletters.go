@@ -14,35 +14,41 @@ import (
 )
 
 // DeadLetters reads the dead-letter stream from its first message to the
-// last one stored when it starts, and returns the entries that match f
-// (dlq.Entries; with f.RefuseInvalid, an *dlq.InvalidRecordError for a
-// message that is not a dead letter): the tools of package dlq, and `oncely dlq --nats`, on a
-// JetStream dead-letter stream. An entry's Record is its dead-letter
-// message: Topic its subject, Partition 0, Offset its stream sequence, so
-// its Ref is subject/0/sequence and f.Refs may name it as 0/sequence. It
-// reads through an ordered consumer, which acknowledges nothing and leaves
-// the stream as it was.
+// last one stored when it starts (ReadStream), and returns the entries that
+// match f (dlq.Entries; with f.RefuseInvalid, an *dlq.InvalidRecordError
+// for a message that is not a dead letter): the tools of package dlq, and
+// `oncely dlq --stream`, on a JetStream dead-letter stream. An entry's
+// Record is its dead-letter message: Topic its subject, Partition 0, Offset
+// its stream sequence, so its Ref is subject/0/sequence and f.Refs may name
+// it as 0/sequence.
 func DeadLetters(ctx context.Context, js jetstream.JetStream, stream string, f dlq.Filter) ([]dlq.Entry, error) {
+	recs, err := ReadStream(ctx, js, stream)
+	if err != nil {
+		return nil, err
+	}
+	return dlq.Entries(recs, f)
+}
+
+// ReadStream returns the messages of stream from its first to the last one
+// stored when it starts, as records (see ReadRange).
+func ReadStream(ctx context.Context, js jetstream.JetStream, stream string) ([]*kgo.Record, error) {
 	s, err := js.Stream(ctx, stream)
 	if err != nil {
-		return nil, fmt.Errorf("natsconsumer: dead-letter stream %q: %w", stream, err)
+		return nil, fmt.Errorf("natsconsumer: stream %q: %w", stream, err)
 	}
 	state := s.CachedInfo().State
 	var recs []*kgo.Record
-	err = ReadStream(ctx, s, StreamRange{From: state.FirstSeq, To: state.LastSeq + 1}, func(r *kgo.Record) error {
+	err = ReadRange(ctx, s, StreamRange{From: state.FirstSeq, To: state.LastSeq + 1}, func(r *kgo.Record) error {
 		recs = append(recs, r)
 		return nil
 	})
 	if err != nil {
 		return nil, err
 	}
-	if len(recs) == 0 {
-		return nil, nil
-	}
-	return dlq.Entries(recs, f)
+	return recs, nil
 }
 
-// StreamRange is the part of a stream that ReadStream reads.
+// StreamRange is the part of a stream that ReadRange reads.
 type StreamRange struct {
 	// From and To bound the stream sequences read: From included, To not.
 	From, To uint64
@@ -51,17 +57,18 @@ type StreamRange struct {
 	HeadersOnly bool
 }
 
-// fetchBatch is the number of messages ReadStream asks for at once.
+// fetchBatch is the number of messages ReadRange asks for at once.
 const fetchBatch = 500
 
-// ReadStream calls fn with each message of s whose sequence is in r,
-// in sequence order, as a record as DeadLetters reads them (Topic the
-// subject, Partition 0, Offset the stream sequence, Timestamp the time it
-// was stored, the headers sorted by name), until the last one of r
-// stored, or fn's first error, which it returns. Messages deleted from r
-// meanwhile are skipped. It reads through an ordered consumer, which
-// acknowledges nothing and leaves the stream as it was.
-func ReadStream(ctx context.Context, s jetstream.Stream, r StreamRange, fn func(*kgo.Record) error) error {
+// ReadRange calls fn with each message of s whose sequence is in r, in
+// sequence order, as a record: Topic the subject, Partition 0, Offset the
+// stream sequence, Timestamp when it was stored, the headers in key order,
+// and Key the HeaderKey header's value (JetStreamPublisher's key); until
+// the last one of r stored, or fn's first error, which it returns.
+// Messages deleted from r meanwhile are skipped. It reads through an
+// ordered consumer, which acknowledges nothing and leaves the stream as it
+// was.
+func ReadRange(ctx context.Context, s jetstream.Stream, r StreamRange, fn func(*kgo.Record) error) error {
 	next := max(r.From, 1)
 	if next >= r.To {
 		return nil
@@ -90,7 +97,11 @@ func ReadStream(ctx context.Context, s jetstream.Stream, r StreamRange, fn func(
 			if seq >= r.To {
 				return nil
 			}
-			if err := fn(record(m, md)); err != nil {
+			rec := record(m, md)
+			if k := m.Headers().Get(HeaderKey); k != "" {
+				rec.Key = []byte(k)
+			}
+			if err := fn(rec); err != nil {
 				return err
 			}
 			next = seq + 1

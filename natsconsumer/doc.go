@@ -13,12 +13,13 @@
 //  1. BEGIN; INSERT the message id into the inbox (first statement, ON
 //     CONFLICT DO NOTHING); an id already there skips the handler; else
 //     the Handler runs in the transaction; COMMIT.
-//  2. Only after COMMIT is the message acknowledged, with DoubleAck (the
-//     server confirms the ack). A crash, a lost connection or a lost ack
-//     between COMMIT and the ack's confirmation makes JetStream deliver the
-//     message again (after AckWait); its id is in the inbox, so the
-//     handler does not run again. That redelivery is the one window in
-//     which a message is delivered twice; its effect never happens twice.
+//  2. Only after COMMIT is the message acknowledged (Ack; Run confirms the
+//     acks it sent with a round trip to the server before it returns). A
+//     crash, a lost connection or a lost ack between COMMIT and the
+//     server's receipt of the ack makes JetStream deliver the message again
+//     (after AckWait); its id is in the inbox, so the handler does not run
+//     again. That redelivery is the one window in which a message is
+//     delivered twice; its effect never happens twice.
 //  3. A failure that is the message's or its handler's (an error, a panic,
 //     a constraint error, a handler timeout) rolls back and is handed back
 //     with NakWithDelay (exponential backoff, full jitter). JetStream's
@@ -43,6 +44,21 @@
 //     the publish is retried with backoff: it is never dropped. A crash
 //     between the PubAck and Term republishes the copy with the same
 //     Nats-Msg-Id, which the DLQ stream's duplicate window absorbs.
+//
+// # Batch mode
+//
+// With BatchSize above 1, the messages one pull request brings (up to
+// BatchSize, those the consumer has ready: a batch never waits to fill up)
+// share one transaction, through the batch code of the Kafka consumer
+// (consumer.DeliverBatch): one multi-row inbox claim, a savepoint per
+// message (or one BatchHandler call), one COMMIT, then an Ack per message.
+// A message whose handler fails is rolled back to its savepoint alone and,
+// after the others committed, handed back with NakWithDelay or
+// dead-lettered as in 3 and 5, that failure counting as an attempt; a
+// batch whose transaction fails as a whole runs each message alone. The
+// consumer's AckPolicy stays explicit: with AckAll, the ack of one message
+// would acknowledge every earlier one, those handed back with a Nak and
+// those still running in another batch among them.
 //
 // The dedup id is the Nats-Msg-Id header, else Config.MessageIDHeader,
 // else "<stream>/<sequence>" (which dedups redeliveries, not a producer's
@@ -71,7 +87,16 @@
 // while its attempt still ran (a handler longer than AckWait whose
 // InProgress did not reach the server) runs a second attempt concurrently;
 // the inbox's unique index serialises the two and one of them is a
-// duplicate. A graceful stop finishes the attempts in progress; a delivery
-// abandoned at ShutdownTimeout counts as an attempt, as does every
-// redelivery.
+// duplicate. A graceful stop finishes the attempts in progress and the
+// messages fetched ahead (FetchAhead); a delivery abandoned at
+// ShutdownTimeout counts as an attempt, as does every redelivery. A crash
+// counts a delivery for every message the process held: those running
+// (Concurrency, or Concurrency batches) and those fetched ahead.
+//
+// # Readiness
+//
+// Ready and NotReady say whether Run consumes: its connection is up, its
+// last fetch succeeded, its last attempt reached the database and its last
+// dead-letter publish (if one failed) succeeded since. oncely.Runner's
+// AddWorker puts the reasons in /readyz.
 package natsconsumer

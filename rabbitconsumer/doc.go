@@ -144,6 +144,80 @@
 // the confirmations and the mark publishes the rows again, and the
 // consumers' inboxes skip the copies.
 //
+// # Dead letters: listing and redriving
+//
+// OpenDeadLetters opens a dead-letter queue for the tools of package dlq
+// (and `oncely dlq list|show|redrive --queue`): Entries lists it,
+// Redrive runs chosen dead letters once more, Close ends. RabbitMQ queues
+// are not logs: a message cannot be read without being delivered, and
+// once acknowledged it is gone. So a listing is a consumer, with manual
+// acknowledgement, on a channel of its own: it counts the messages ready
+// (a passive declaration), takes the first with basic.get, then the rest
+// through a consumer whose prefetch is their number (RabbitMQ hands over
+// no more than were there when the listing began; dead letters that come
+// later are not listed) until it has them all, or none came for
+// ListIdleTimeout. It holds them, unacknowledged, until Close, which
+// closes the channel: RabbitMQ puts every message not redriven back in the
+// queue, unchanged (body, properties, headers). Meanwhile the listed
+// messages are invisible to any other consumer of the dead-letter queue,
+// and RabbitMQ's consumer_timeout (30 minutes by default) bounds how long
+// a listing may stay open.
+//
+// The listing order is the queue's order. On a classic queue, a message
+// given back returns to its place; on a quorum queue (RabbitMQ 3.x) the
+// messages given back are delivered before the others, in the order they
+// were returned, which is the listing's order: both keep the order of a
+// listing for the next, and dead letters published meanwhile follow (the
+// integration tests check both kinds). A broker that put the messages
+// given back behind the others would keep their order too, but dead
+// letters that came during a listing would then precede them. An
+// entry's ref (its Record.Offset) is its position in the listing, from 0:
+// "<queue>/0/<position>", and `--ref 0/<position>` names it only against
+// a listing of the same messages: a redrive that removed some, or another
+// consumer that took some, shifts the positions. Within one
+// DeadLetterQueue (list, then redrive what was listed) the refs are
+// exact; the CLI's list and redrive are two listings, so select with
+// --message-id where the queue may have changed in between.
+//
+// A listing is a delivery: on a quorum queue each one adds 1 to the
+// messages' x-delivery-count (up to RabbitMQ 4.2, which counts every
+// return). Do not give a dead-letter queue a delivery-limit: its listings
+// would use it up, and RabbitMQ would then drop or dead-letter the dead
+// letters. With dlq.Filter.RefuseInvalid, the listing stops at the first
+// message that is not a dead letter (a source queue named by mistake): a
+// queue whose first message is not one is refused having delivered, and
+// given back, only that message.
+//
+// Redrive follows dlq.RedriveWith: for each entry it records the redrive
+// grant in the consumers' inbox, then publishes the copy and waits for
+// the publisher confirmation (mandatory: a copy that no queue takes is an
+// error, and its grant is revoked); only then does it remove the dead
+// letter, acknowledging it on the listing's channel, with its copies
+// (Entry.Copies). The copy goes through the default exchange with the
+// source queue (HeaderQueue, the dlq.HeaderTopic of the dead letter) as
+// routing key, not to the exchange and routing key it was first published
+// with: the exchange may route to other queues (other Groups, which
+// processed or dead-lettered the message on their own) or its bindings
+// may have changed, while the grant is for the one Group that
+// dead-lettered it, consuming that queue. The copy is the dead letter's
+// body and properties with message_id the dedup id (the consumer reads it
+// first), the dedup id also in the MessageIDHeader header, the message's
+// own headers without the oncely-dlq-* ones nor the dead-letter queue's
+// x-delivery-count and x-acquired-count (which the consumer would count as
+// attempts lost to crashes), and dlq.HeaderRedrive naming the entry's ref.
+// The consumer runs the id, held as dead-lettered in its inbox, once more
+// only by consuming that grant; a copy that merely carries the header, or
+// a second copy, is a duplicate.
+//
+// A crash, or a lost channel, between the confirmation and the removal
+// leaves the dead letter in the queue beside its running copy: the grant
+// lets one copy run, once, and a later redrive of the dead letter is
+// skipped once the copy has run. A dead letter whose id the inbox holds as
+// processed is skipped (dlq.SkipProcessed) and stays in the queue: Redrive
+// removes only what it published again, and a dead letter may be the only
+// account of a failure left to read; remove such messages with RabbitMQ's
+// own tools. A dry run publishes and removes nothing.
+//
 // # What is not guaranteed
 //
 // Order: messages run Concurrency at a time per queue, and a retried

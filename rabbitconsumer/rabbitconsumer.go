@@ -788,16 +788,15 @@ func (s *source) retryCopy(delay time.Duration) amqp.Publishing {
 	delete(headers, DeliveryCountHeader) // this copy's deliveries are counted afresh
 	delete(headers, AcquiredCountHeader)
 	headers[HeaderAttempts] = strconv.Itoa(s.spent + 1)
-	msg := s.again(headers)
+	msg := publishing(s.d, headers)
 	msg.Expiration = strconv.FormatInt(max(delay.Milliseconds(), 0), 10)
 	return msg
 }
 
-// again is the delivery as a persistent message with headers: its body and
+// publishing is d as a persistent message with headers: its body and
 // properties, not its expiration, nor its user id (which RabbitMQ checks
 // against the publishing connection's user).
-func (s *source) again(headers amqp.Table) amqp.Publishing {
-	d := s.d
+func publishing(d *amqp.Delivery, headers amqp.Table) amqp.Publishing {
 	return amqp.Publishing{
 		Headers: headers, ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
 		DeliveryMode: amqp.Persistent, Priority: d.Priority, CorrelationId: d.CorrelationId, ReplyTo: d.ReplyTo,
@@ -861,14 +860,7 @@ func (s *source) PublishDeadLetter(ctx context.Context, rec *kgo.Record, info *d
 // the provenance headers.
 func (s *source) deadLetter(out *kgo.Record) amqp.Publishing {
 	d := s.d
-	headers := amqp.Table{}
-	for _, h := range out.Headers {
-		if v, ok := d.Headers[h.Key]; ok && string(headerBytes(v)) == string(h.Value) {
-			headers[h.Key] = v
-			continue
-		}
-		headers[h.Key] = string(h.Value)
-	}
+	headers := table(out, d.Headers)
 	delete(headers, DeliveryCountHeader) // the dead-letter queue counts its own deliveries
 	delete(headers, AcquiredCountHeader)
 	delete(headers, HeaderAttempts) // oncely-dlq-attempts says it
@@ -878,5 +870,20 @@ func (s *source) deadLetter(out *kgo.Record) amqp.Publishing {
 	headers[HeaderDeliveryTag] = strconv.FormatUint(d.DeliveryTag, 10)
 	headers[HeaderRedelivered] = strconv.FormatBool(d.Redelivered)
 	headers[HeaderDeliveryCount] = strconv.Itoa(s.deliveryCount())
-	return s.again(headers)
+	return publishing(d, headers)
+}
+
+// table is rec's headers as an AMQP table: a header whose value is
+// unchanged from the delivery's headers orig keeps its AMQP type (an
+// int32 stays an int32), the others are strings.
+func table(rec *kgo.Record, orig amqp.Table) amqp.Table {
+	headers := amqp.Table{}
+	for _, h := range rec.Headers {
+		if v, ok := orig[h.Key]; ok && string(headerBytes(v)) == string(h.Value) {
+			headers[h.Key] = v
+			continue
+		}
+		headers[h.Key] = string(h.Value)
+	}
+	return headers
 }

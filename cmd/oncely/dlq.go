@@ -15,11 +15,14 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dedup"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/natsconsumer"
+	"github.com/oncely/oncely/rabbitconsumer"
+	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // refs collects repeated --ref flags.
@@ -34,6 +37,8 @@ type dlqFlags struct {
 	topic        string
 	natsURL      string // with stream: a JetStream dead-letter stream instead of a topic
 	stream       string
+	amqpURL      string // with queue: a RabbitMQ dead-letter queue instead of a topic
+	queue        string
 	source       string
 	group        string
 	class        string
@@ -47,16 +52,18 @@ type dlqFlags struct {
 
 func (d *dlqFlags) register(fs *flag.FlagSet) {
 	d.kafka.register(fs)
-	fs.StringVar(&d.topic, "topic", "", "dead-letter topic to read (this or --stream is required), e.g. orders.dlq")
+	fs.StringVar(&d.topic, "topic", "", "dead-letter topic to read (this, --stream or --queue is required), e.g. orders.dlq")
 	fs.StringVar(&d.stream, "stream", "", "JetStream dead-letter stream to read instead of a Kafka topic (with --nats)")
 	fs.StringVar(&d.natsURL, "nats", cmp.Or(os.Getenv("NATS_URL"), nats.DefaultURL), "NATS server of --stream (env NATS_URL)")
+	fs.StringVar(&d.queue, "queue", "", "RabbitMQ dead-letter queue to read instead of a Kafka topic (with --amqp), e.g. orders.dlq")
+	fs.StringVar(&d.amqpURL, "amqp", cmp.Or(os.Getenv("AMQP_URL"), defaultAMQPURL), "RabbitMQ of --queue (env AMQP_URL)")
 	fs.StringVar(&d.source, "source-topic", "", "only records dead-lettered from this topic")
 	fs.StringVar(&d.group, "group", "", "only records dead-lettered by this consumer group")
 	fs.StringVar(&d.class, "class", "", "only this error class: undecodable, permanent, max_attempts, panic, oversized, crash_loop")
 	fs.StringVar(&d.messageID, "message-id", "", "only this dedup id")
 	fs.StringVar(&d.since, "since", "", "only last failures at or after this time (RFC 3339, or a duration ago such as 24h)")
 	fs.StringVar(&d.until, "until", "", "only last failures before this time (RFC 3339, or a duration ago)")
-	fs.Var(&d.refs, "ref", "only this dead-letter record, as partition/offset (repeatable)")
+	fs.Var(&d.refs, "ref", "only this dead-letter record, as partition/offset (repeatable; a queue's: 0/position in the listing)")
 	fs.BoolVar(&d.skipInvalid, "skip-invalid", false, "skip records that are not dead-letter records (default: refuse the topic at the first one)")
 	d.asJSON = jsonFlag(fs)
 }
@@ -77,11 +84,11 @@ func parseWhen(flagName, v string, now time.Time) (time.Time, error) {
 func (d *dlqFlags) filter() (dlq.Filter, error) {
 	f := dlq.Filter{SourceTopic: d.source, Group: d.group, Class: dlq.Class(d.class), MessageID: d.messageID, Refs: d.refs,
 		RefuseInvalid: !d.skipInvalid}
-	switch {
-	case d.topic == "" && d.stream == "":
-		return f, usageErr("--topic: the dead-letter topic (or --stream, a JetStream dead-letter stream) is required")
-	case d.topic != "" && d.stream != "":
-		return f, usageErr("--topic and --stream: give one, a Kafka topic or a JetStream stream")
+	switch given := btoi(d.topic != "") + btoi(d.stream != "") + btoi(d.queue != ""); {
+	case given == 0:
+		return f, usageErr("--topic: the dead-letter topic (or --stream, a JetStream dead-letter stream, or --queue, a RabbitMQ dead-letter queue) is required")
+	case given > 1:
+		return f, usageErr("--topic, --stream and --queue: give one, a Kafka topic, a JetStream stream or a RabbitMQ queue")
 	}
 	if d.class != "" && !f.Class.Valid() {
 		return f, usageErr("--class: unknown class %q", d.class)
@@ -90,7 +97,7 @@ func (d *dlqFlags) filter() (dlq.Filter, error) {
 		var p int32
 		var o int64
 		if n, err := fmt.Sscanf(r, "%d/%d", &p, &o); err != nil || n != 2 || p < 0 || o < 0 || fmt.Sprintf("%d/%d", p, o) != r {
-			return f, usageErr("--ref: %q is not partition/offset (for a JetStream stream: 0/sequence)", r)
+			return f, usageErr("--ref: %q is not partition/offset (for a JetStream stream: 0/sequence; for a RabbitMQ queue: 0/position)", r)
 		}
 	}
 	now := time.Now()
@@ -102,6 +109,16 @@ func (d *dlqFlags) filter() (dlq.Filter, error) {
 		return f, err
 	}
 	return f, nil
+}
+
+// defaultAMQPURL is --amqp without AMQP_URL: a local RabbitMQ's guest.
+const defaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func (d *dlqFlags) selective() bool {
@@ -116,8 +133,10 @@ type deadLetters struct {
 	close   func()
 }
 
-// list reads the matching entries from the Kafka topic or the JetStream
-// stream, with the broker's errors phrased for operators.
+// list reads the matching entries from the Kafka topic, the JetStream
+// stream or the RabbitMQ queue, with the broker's errors phrased for
+// operators. A queue's listing holds its messages until close, which gives
+// back those not redriven.
 func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) (*deadLetters, error) {
 	lctx, cancel := context.WithTimeout(ctx, d.kafka.timeout)
 	defer cancel()
@@ -126,7 +145,20 @@ func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) (*deadLetters, error)
 		err         error
 		where, kind = d.topic, "topic"
 	)
-	if d.stream != "" {
+	switch {
+	case d.queue != "":
+		where, kind = "queue "+d.queue, "queue"
+		if _, perr := amqp.ParseURI(d.amqpURL); perr != nil {
+			return nil, usageErr("--amqp: %v", perr)
+		}
+		q, oerr := rabbitconsumer.OpenDeadLetters(lctx, d.amqpURL, d.queue)
+		if oerr != nil {
+			return nil, fmt.Errorf("RabbitMQ at %s: %w", outbound.RedactURL(d.amqpURL), oerr)
+		}
+		dl.close = func() { _ = q.Close() }
+		dl.redrive = q.Redrive
+		dl.entries, err = q.Entries(lctx, f)
+	case d.stream != "":
 		where, kind = "stream "+d.stream, "stream"
 		nc, cerr := nats.Connect(d.natsURL, nats.Timeout(d.kafka.timeout), nats.Name("oncely dlq"))
 		if cerr != nil {
@@ -142,7 +174,7 @@ func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) (*deadLetters, error)
 			return natsconsumer.Redrive(ctx, js, e, o)
 		}
 		dl.entries, err = natsconsumer.DeadLetters(lctx, js, d.stream, f)
-	} else {
+	default:
 		opts, oerr := d.kafka.opts()
 		if oerr != nil {
 			return nil, usageErr("%v", oerr)
@@ -164,8 +196,10 @@ func (d *dlqFlags) list(ctx context.Context, f dlq.Filter) (*deadLetters, error)
 	if ie, ok := errors.AsType[*dlq.InvalidRecordError](err); ok {
 		dl.close()
 		return nil, fmt.Errorf("%s is not a dead-letter %s: record %s has no valid dead-letter headers (%v); "+
-			"dead-letter topics are usually named %s, streams capture %s; --skip-invalid skips such records", where, kind,
-			ie.Ref, ie.Err, dlq.DefaultTopic("<source>"), natsconsumer.DefaultDeadLetterSubject("<subject>"))
+			"dead-letter topics are usually named %s, streams capture %s, queues are named %s "+
+			"(a queue's messages are given back unchanged); --skip-invalid skips such records", where, kind,
+			ie.Ref, ie.Err, dlq.DefaultTopic("<source>"), natsconsumer.DefaultDeadLetterSubject("<subject>"),
+			rabbitconsumer.DefaultDeadLetterRoutingKey("<queue>"))
 	}
 	if err != nil {
 		dl.close()
@@ -228,7 +262,7 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		defer dl.close()
 		entries := dl.entries
 		if len(entries) == 0 {
-			return fmt.Errorf("dlq show: no record %s in %s", strings.Join(d.refs, ", "), cmp.Or(d.topic, "stream "+d.stream))
+			return fmt.Errorf("dlq show: no record %s in %s", strings.Join(d.refs, ", "), d.where())
 		}
 		if *d.asJSON {
 			return printEntriesJSON(stdout, entries)
@@ -240,7 +274,7 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 	case "redrive":
 		var db dbFlags
 		db.register(fs)
-		toTopic := fs.String("to-topic", "", "produce to this topic instead of each record's source topic")
+		toTopic := fs.String("to-topic", "", "produce to this topic (with --queue: publish to this queue) instead of each record's source")
 		dryRun := fs.Bool("dry-run", false, "print what would be redriven, produce nothing")
 		all := fs.Bool("all", false, "redrive every record in the topic (required when no filter or --ref is given)")
 		if err := parse(fs, args, stderr); err != nil {
@@ -284,6 +318,10 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 			counts[r.Action]++
 			switch r.Action {
 			case dlq.Redriven:
+				if r.Offset < 0 { // a queue: no position
+					fmt.Fprintf(stdout, "%s\t%s -> %s\n", r.Action, r.Entry.Ref(), r.Topic)
+					continue
+				}
 				fmt.Fprintf(stdout, "%s\t%s -> %s/%d/%d\n", r.Action, r.Entry.Ref(), r.Topic, r.Partition, r.Offset)
 			case dlq.WouldRedrive:
 				fmt.Fprintf(stdout, "%s\t%s -> %s (message id %s)\n", r.Action, r.Entry.Ref(), r.Topic, r.Entry.Info.MessageID)
@@ -296,6 +334,17 @@ func dlqCmd(ctx context.Context, sub string, args []string, stdout, stderr io.Wr
 		return err
 	}
 	return usageErr("dlq: unknown subcommand %q (want list, show or redrive)", sub)
+}
+
+// where names the dead-letter topic, stream or queue read.
+func (d *dlqFlags) where() string {
+	switch {
+	case d.stream != "":
+		return "stream " + d.stream
+	case d.queue != "":
+		return "queue " + d.queue
+	}
+	return d.topic
 }
 
 func printTable(w io.Writer, entries []dlq.Entry) error {
@@ -394,7 +443,7 @@ func printRedriveJSON(w io.Writer, results []dlq.Result) error {
 		if r.Entry.Info != nil {
 			j.MessageID = r.Entry.Info.MessageID
 		}
-		if r.Action == dlq.Redriven {
+		if r.Action == dlq.Redriven && r.Offset >= 0 {
 			j.Partition, j.Offset = &r.Partition, &r.Offset
 		}
 		out = append(out, j)

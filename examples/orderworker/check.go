@@ -566,6 +566,13 @@ func checkEvents(ctx context.Context, brokers []string, topic string, b orderBat
 	if err != nil {
 		return fmt.Errorf("read events: %w", err)
 	}
+	return verifyEvents(recs, topic, b, r, func() (int, error) { return maxMessageBytes(ctx, brokers, topic) })
+}
+
+// verifyEvents checks the events recs read from topic against b (see
+// checkEvents); maxBytes returns the broker's limit on a message, below
+// which no event may be parked.
+func verifyEvents(recs []*kgo.Record, topic string, b orderBatch, r *report, maxBytes func() (int, error)) error {
 	produced := make(map[string]Order, len(b.Orders))
 	for _, o := range b.Orders {
 		produced[o.OrderID] = o
@@ -624,7 +631,7 @@ func checkEvents(ctx context.Context, brokers []string, topic string, b orderBat
 	if len(r.parked) == 0 {
 		return nil
 	}
-	limit, err := maxMessageBytes(ctx, brokers, topic)
+	limit, err := maxBytes()
 	if err != nil {
 		return err
 	}

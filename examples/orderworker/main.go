@@ -28,6 +28,11 @@
 // dead-letter topic orders.dlq at once, and the orders behind it keep
 // flowing.
 //
+// With --source jetstream or rabbitmq the orders come from, and the events
+// go to, NATS JetStream (subjects of the same names, streams created if
+// missing) or RabbitMQ (queues of the same names, declared if missing)
+// instead; see the README.
+//
 // Orders also arrive over HTTP, on the worker's --http-addr, and reach the
 // same consumer through the outbox and the orders topic:
 //
@@ -65,6 +70,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dlq"
@@ -141,8 +147,12 @@ func runCmd(args []string, getenv func(string) string, stdout, stderr io.Writer)
 func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) (cfg workerConfig, err error) {
 	fs := flag.NewFlagSet("orderworker run", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker of the orders and the events: kafka; jetstream (NATS JetStream at --nats; the streams are created if missing); rabbitmq (RabbitMQ at --amqp; the queues are declared if missing; a transaction per order); the Kafka flags are unused with the others (env SOURCE)")
+	fs.StringVar(&cfg.NATSURL, "nats", envOr(getenv, "NATS_URL", nats.DefaultURL), "NATS server of --source jetstream (env NATS_URL)")
+	fs.StringVar(&cfg.AMQPURL, "amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+redactURL(defaultAMQPURL)+")")
+	ackWait := fs.String("ack-wait", envOr(getenv, "ACK_WAIT", "30s"), "with --source jetstream: how long JetStream waits for an ack before delivering a message again, the time a crashed worker's messages take to come back, a Go duration (env ACK_WAIT)")
 	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); empty: start an in-process kfake cluster")
-	fs.StringVar(&cfg.Topic, "topic", "orders", "topic to consume; POST /orders and POST /webhooks/orders publish to it, through the outbox")
+	fs.StringVar(&cfg.Topic, "topic", "orders", "topic (or subject) to consume; POST /orders and POST /webhooks/orders publish to it, through the outbox")
 	fs.StringVar(&cfg.EventsTopic, "events-topic", envOr(getenv, "EVENTS_TOPIC", "order-events"), "topic of the order.accepted events, published through the outbox (env EVENTS_TOPIC)")
 	// The environment is read after parsing: a default taken from it would
 	// be printed, password included, by -h.
@@ -171,6 +181,9 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	if !kafkaflags.Given(fs, "database-url") {
 		cfg.DatabaseURL = envOr(getenv, "DATABASE_URL", defaultDatabaseURL)
 	}
+	if !kafkaflags.Given(fs, "amqp") { // read after parsing, as DATABASE_URL: -h must not print a password
+		cfg.AMQPURL = envOr(getenv, "AMQP_URL", defaultAMQPURL)
+	}
 	if cfg.WebhookSecrets, err = parseSecrets(*secrets); err != nil {
 		return cfg, invalidFlag("--webhook-secret (WEBHOOK_SECRET)", err)
 	}
@@ -181,6 +194,9 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 		return cfg, err
 	}
 
+	if cfg.Source, err = parseSource(*source); err != nil {
+		return cfg, invalidFlag("--source (SOURCE)", err)
+	}
 	if cfg.Brokers, err = parseBrokers(*brokers); err != nil {
 		return cfg, invalidFlag("--brokers (KAFKA_BROKERS)", err)
 	}
@@ -205,6 +221,18 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 		cfg.RecordHandler = true
 	default:
 		return cfg, invalidFlag("--handler (HANDLER)", fmt.Errorf("want batch or record, got %q", *handler))
+	}
+	if cfg.AckWait, err = positiveDuration("--ack-wait (ACK_WAIT)", *ackWait); err != nil {
+		return cfg, err
+	}
+	if cfg.Source == sourceRabbitMQ {
+		if cfg.BatchSize > 1 && (kafkaflags.Given(fs, "batch-size") || getenv("BATCH_SIZE") != "") || cfg.KeyParallelism > 1 {
+			return cfg, invalidFlag("--source (SOURCE)", errors.New("rabbitmq runs a transaction per order, 4 at once: --batch-size and --key-parallelism do not apply"))
+		}
+		cfg.BatchSize = 1
+	}
+	if cfg.Source == sourceJetStream && cfg.KeyParallelism > 1 {
+		return cfg, invalidFlag("--key-parallelism (KEY_PARALLELISM)", errors.New("is Kafka's: a JetStream worker runs 4 transactions (batches of --batch-size) at once"))
 	}
 	if cfg.SessionTimeout, err = positiveDuration("--session-timeout (SESSION_TIMEOUT)", *session); err != nil {
 		return cfg, err
@@ -358,8 +386,12 @@ func validateSchema(s string) error {
 func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("orderworker produce", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); required")
-	topic := fs.String("topic", "orders", "topic to produce to")
+	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker to publish to: kafka, jetstream (NATS at --nats; the worker's streams are created if missing) or rabbitmq (RabbitMQ at --amqp; the worker's queues are declared if missing) (env SOURCE)")
+	natsURL := fs.String("nats", envOr(getenv, "NATS_URL", nats.DefaultURL), "NATS server of --source jetstream (env NATS_URL)")
+	amqpURL := fs.String("amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+redactURL(defaultAMQPURL)+")")
+	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); required with --source kafka")
+	topic := fs.String("topic", "orders", "topic (or subject) to produce to")
+	events := fs.String("events-topic", envOr(getenv, "EVENTS_TOPIC", "order-events"), "with --source jetstream or rabbitmq: the events subject or queue, created if missing (env EVENTS_TOPIC)")
 	count := fs.Int("count", 1000, "orders to produce")
 	dupRate := fs.Float64("dup-rate", 0.2, "fraction of records produced a second time with the same message-id")
 	poisonRate := fs.Float64("poison-rate", 0, "poison records (not valid orders: they go to the dead-letter topic) to mix in, as a fraction of --count")
@@ -372,13 +404,19 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	if err := parse(fs, args); err != nil {
 		return usageExit(stderr, err)
 	}
-	bs, err := requiredBrokers(*brokers)
+	src, err := parseSource(*source)
 	if err != nil {
-		return usageExit(stderr, invalidFlag("--brokers (KAFKA_BROKERS)", err))
+		return usageExit(stderr, invalidFlag("--source (SOURCE)", err))
 	}
-	kopts, err := kafkaOpts(&kafkaSecurity, bs)
-	if err != nil {
-		return usageExit(stderr, err)
+	var bs []string
+	var kopts []kgo.Opt
+	if src == sourceKafka {
+		if bs, err = requiredBrokers(*brokers); err != nil {
+			return usageExit(stderr, invalidFlag("--brokers (KAFKA_BROKERS)", err))
+		}
+		if kopts, err = kafkaOpts(&kafkaSecurity, bs); err != nil {
+			return usageExit(stderr, err)
+		}
 	}
 	spec := orderSpec{Count: *count, Customers: *customers, DupRate: *dupRate, PoisonRate: *poisonRate}
 	if name, err := spec.validate(); err != nil {
@@ -393,12 +431,6 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
-	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(bs...)}, kopts...)...)
-	if err != nil {
-		printf(stderr, "orderworker: kafka client: %v\n", err)
-		return exitError
-	}
-	defer cl.Close()
 	rng := newRand()
 	if *seed != 0 {
 		rng = rand.New(rand.NewPCG(*seed, 0))
@@ -407,13 +439,48 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	if *keyBy == "customer" {
 		batch.KeyByCustomer()
 	}
-	if err := produce(ctx, cl, *topic, batch.Deliveries, *rate); err != nil {
+	switch src {
+	case sourceJetStream:
+		err = publishOrders(ctx, *natsURL, *topic, *events, batch.Deliveries)
+	case sourceRabbitMQ:
+		if !kafkaflags.Given(fs, "amqp") {
+			*amqpURL = envOr(getenv, "AMQP_URL", defaultAMQPURL)
+		}
+		err = publishRabbit(ctx, *amqpURL, *topic, *events, batch.Deliveries)
+	default:
+		err = produceOrders(ctx, bs, kopts, *topic, batch.Deliveries, *rate)
+	}
+	if err != nil {
 		printf(stderr, "orderworker: %v\n", err)
 		return exitError
 	}
 	printf(stdout, "produced %d records to %s: %d orders (total %d cents), %d poison records and %d duplicate deliveries\n",
 		len(batch.Deliveries), *topic, len(batch.Orders), batch.totalCents(), len(batch.Poison), batch.Duplicates)
 	return exitOK
+}
+
+// produceOrders produces ds to the Kafka topic, perSecond a second.
+func produceOrders(ctx context.Context, brokers []string, kopts []kgo.Opt, topic string, ds []delivery, perSecond int) error {
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...)}, kopts...)...)
+	if err != nil {
+		return fmt.Errorf("kafka client: %w", err)
+	}
+	defer cl.Close()
+	return produce(ctx, cl, topic, ds, perSecond)
+}
+
+// publishOrders publishes ds to the JetStream subject, after making sure
+// the worker's streams exist.
+func publishOrders(ctx context.Context, url, subject, eventsSubject string, ds []delivery) error {
+	nc, js, err := jetStreamConn(url, "orderworker produce")
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	if err := ensureStreams(ctx, js, subject, eventsSubject); err != nil {
+		return err
+	}
+	return publishJetStream(ctx, js, subject, ds)
 }
 
 // requiredBrokers is parseBrokers for a command that needs brokers.

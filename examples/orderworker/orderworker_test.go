@@ -262,7 +262,7 @@ func requireExactlyOnce(t *testing.T, rep *report) {
 	rep.print(&buf)
 	t.Logf("\n%s", buf.String())
 	if rep.DuplicateEffects != 0 || rep.MissingEffects != 0 || rep.BalanceErrors != 0 ||
-		rep.Effects != int64(rep.UniqueOrders) || rep.InboxRows != int64(rep.UniqueOrders) {
+		rep.Effects != int64(rep.UniqueOrders) || rep.InboxRows != int64(rep.UniqueOrders+rep.PoisonRecords) {
 		t.Errorf("not exactly once: %+v", *rep)
 	}
 	if rep.EventsTopic == "" {
@@ -941,6 +941,12 @@ func TestFlags(t *testing.T) {
 		{args: []string{"produce"}, want: "--brokers (KAFKA_BROKERS)"},
 		{args: []string{"produce", "--brokers", "x:1", "--dup-rate", "2"}, want: "--dup-rate"},
 		{args: []string{"demo", "--orders", "0"}, want: "--orders"},
+		{args: []string{"--source", "sqs"}, want: "--source (SOURCE)"},
+		{env: map[string]string{"SOURCE": "jetstream", "KEY_PARALLELISM": "8"}, want: "--key-parallelism (KEY_PARALLELISM)"},
+		{args: []string{"--source", "jetstream", "--ack-wait", "never"}, want: "--ack-wait (ACK_WAIT)"},
+		{args: []string{"produce", "--source", "kafka-ish"}, want: "--source (SOURCE)"},
+		{args: []string{"--source", "rabbitmq", "--batch-size", "50"}, want: "--source (SOURCE)"},
+		{args: []string{"run", "-h"}, env: map[string]string{"AMQP_URL": "amqp://u:amqp-pw-77c1@127.0.0.1:5672/"}, hide: "amqp-pw-77c1"},
 		{args: []string{"--events-topic", ""}, want: "--events-topic (EVENTS_TOPIC)"},
 		{args: []string{"--topic", "x", "--events-topic", "x"}, want: "--events-topic (EVENTS_TOPIC)"},
 		{env: map[string]string{"EVENTS_TOPIC": "orders.dlq"}, want: "--events-topic (EVENTS_TOPIC)"},

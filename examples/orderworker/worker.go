@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -24,6 +26,7 @@ import (
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/migrations"
 	"github.com/oncely/oncely/outbox"
+	"github.com/oncely/oncely/rabbitconsumer"
 	"github.com/oncely/oncely/webhook"
 )
 
@@ -360,8 +363,14 @@ func (s *store) apply(ctx context.Context, tx pgx.Tx, msg *consumer.Message, o O
 
 // workerConfig is the run command's configuration (flags in main.go).
 type workerConfig struct {
-	Brokers        []string  // empty: start an in-process kfake cluster
-	KafkaOpts      []kgo.Opt // TLS and SASL, from the --tls* and --sasl-* flags
+	// Source is the broker of the orders and the events: kafka, or
+	// jetstream (NATS at NATSURL).
+	Source         string
+	NATSURL        string
+	AMQPURL        string
+	AckWait        time.Duration // JetStream's redelivery delay of an unacknowledged message
+	Brokers        []string      // empty: start an in-process kfake cluster
+	KafkaOpts      []kgo.Opt     // TLS and SASL, from the --tls* and --sasl-* flags
 	Topic          string
 	EventsTopic    string // where the order.accepted events go
 	DatabaseURL    string
@@ -397,7 +406,22 @@ type workerConfig struct {
 // consumer, the outbox relay, the idempotency cleanup and the HTTP server,
 // until ctx is cancelled. It returns nil after a clean shutdown.
 func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slog.Logger) error {
-	if len(cfg.Brokers) == 0 {
+	var js jetstream.JetStream
+	if cfg.Source == sourceJetStream {
+		nc, j, err := jetStreamConn(cfg.NATSURL, "orderworker "+cmp.Or(cfg.InstanceID, cfg.Group))
+		if err != nil {
+			return err
+		}
+		defer nc.Close()
+		if err := ensureStreams(ctx, j, cfg.Topic, cfg.EventsTopic); err != nil {
+			return err
+		}
+		js = j
+	} else if cfg.Source == sourceRabbitMQ {
+		if err := ensureQueues(cfg.AMQPURL, cfg.Topic, cfg.EventsTopic); err != nil {
+			return err
+		}
+	} else if len(cfg.Brokers) == 0 {
 		cluster, err := startKfake(cfg.Topic, cfg.EventsTopic)
 		if err != nil {
 			return err
@@ -441,6 +465,16 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 	if err != nil {
 		return err
 	}
+	relay := &outbox.RelayConfig{ClientID: cfg.InstanceID}
+	switch {
+	case js != nil:
+		relay = jetStreamRelay(js)
+	case cfg.Source == sourceRabbitMQ:
+		// Through the default exchange: an event's topic is the queue's name.
+		pub := &rabbitconsumer.Publisher{URL: cfg.AMQPURL}
+		defer pub.Close()
+		relay = &outbox.RelayConfig{Publisher: pub}
+	}
 	r, err := oncely.New(oncely.Config{
 		Pool: pool, Schema: cfg.Schema, Brokers: cfg.Brokers, KafkaOpts: cfg.KafkaOpts, Logger: log,
 		TracerProvider: tel.tracerProvider, MeterProvider: tel.meterProvider, MetricsHandler: tel.metrics,
@@ -454,26 +488,43 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		// exist, as the consumed ones must (the runner checks those).
 		// Its Kafka client id is the instance id, like the consumer's
 		// (empty: oncely-<hostname>-<pid>).
-		Relay:           &outbox.RelayConfig{ClientID: cfg.InstanceID},
+		Relay:           relay,
 		ExtraConns:      httpConns,
 		ShutdownTimeout: shutdownTimeout,
 	})
 	if err != nil {
 		return err
 	}
-	ccfg := consumer.Config{
-		Topics: []string{cfg.Topic}, Group: cfg.Group, ConflictKeys: conflictKeys,
-		BatchSize: cfg.BatchSize, KeyParallelism: cfg.KeyParallelism, InstanceID: cfg.InstanceID,
-		SessionTimeout: cfg.SessionTimeout, RebalanceTimeout: cfg.RebalanceTimeout,
-	}
-	if cfg.BatchSize > 1 && !cfg.RecordHandler {
-		ccfg.BatchHandler = st.batchHandler()
-	} else {
-		ccfg.Handler = st.handler()
-	}
-	c, err := r.AddConsumer(ccfg)
-	if err != nil {
-		return err
+	var stats func() consumer.Stats
+	switch {
+	case js != nil:
+		w, err := addJetStreamWorker(r, pool, cfg, js, st)
+		if err != nil {
+			return err
+		}
+		stats = w.Stats
+	case cfg.Source == sourceRabbitMQ:
+		w, err := addRabbitWorker(r, pool, cfg, st)
+		if err != nil {
+			return err
+		}
+		stats = w.Stats
+	default:
+		ccfg := consumer.Config{
+			Topics: []string{cfg.Topic}, Group: cfg.Group, ConflictKeys: conflictKeys,
+			BatchSize: cfg.BatchSize, KeyParallelism: cfg.KeyParallelism, InstanceID: cfg.InstanceID,
+			SessionTimeout: cfg.SessionTimeout, RebalanceTimeout: cfg.RebalanceTimeout,
+		}
+		if cfg.BatchSize > 1 && !cfg.RecordHandler {
+			ccfg.BatchHandler = st.batchHandler()
+		} else {
+			ccfg.Handler = st.handler()
+		}
+		c, err := r.AddConsumer(ccfg)
+		if err != nil {
+			return err
+		}
+		stats = c.Stats
 	}
 	api, err := newHTTPAPI(cfg, r, log)
 	if err != nil {
@@ -484,7 +535,7 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 	}
 
 	err = r.Run(ctx)
-	s, rs := c.Stats(), r.Relay().Stats()
+	s, rs := stats(), r.Relay().Stats()
 	var ws webhook.Stats
 	if api.receiver != nil {
 		ws = api.receiver.Stats()

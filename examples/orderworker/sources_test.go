@@ -1,0 +1,296 @@
+package main
+
+import (
+	"cmp"
+	"context"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/natsconsumer"
+	"github.com/oncely/oncely/rabbitconsumer"
+)
+
+// The servers of the --source jetstream and rabbitmq tests.
+var (
+	natsURL = cmp.Or(os.Getenv("NATS_URL"), "nats://127.0.0.1:4222")
+	amqpURL = cmp.Or(os.Getenv("AMQP_URL"), defaultAMQPURL)
+)
+
+// brokerUnderTest is what the worker's test needs of a --source other than
+// Kafka, for one test's topic (subject or queue) and events topic.
+type brokerUnderTest struct {
+	args    []string // the worker's flags naming the broker
+	publish func(ctx context.Context, ds []delivery) error
+	// settled reports that the group has nothing pending or in flight.
+	settled func(ctx context.Context) (bool, error)
+	// events reads the events topic; deadLetters the dead letters.
+	events      func(ctx context.Context) ([]*kgo.Record, func() (int, error), error)
+	deadLetters func(ctx context.Context) ([]dlq.Entry, error)
+}
+
+// TestJetStreamSource and TestRabbitMQSource run the worker with --source
+// jetstream and rabbitmq, with each handler mode the broker has, as a user
+// would: `produce --source` publishes orders with duplicates (the same dedup
+// id) and poison mixed in, a worker is killed (SIGKILL) mid-stream and
+// another started, and in the end every order has its effects once, its
+// order.accepted event once on the events topic (in each customer's commit
+// order), and every poison message is a dead letter with its class.
+func TestJetStreamSource(t *testing.T) {
+	t.Parallel()
+	for name, extra := range map[string][]string{
+		"batch handler":  nil,
+		"record handler": {"--handler", "record"},
+		"per record":     {"--batch-size", "1"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			topic, events := testTopics()
+			testSource(t, jetStreamUnderTest(t, topic, events), topic, events, extra...)
+		})
+	}
+}
+
+func TestRabbitMQSource(t *testing.T) {
+	t.Parallel()
+	topic, events := testTopics()
+	testSource(t, rabbitUnderTest(t, topic, events), topic, events)
+}
+
+// testTopics are a test's own orders and events topics.
+func testTopics() (topic, events string) {
+	prefix := strings.ReplaceAll(testenv.UniqueName("ow"), "-", "_")
+	return prefix + ".orders", prefix + ".events"
+}
+
+const testGroup = "orderworker"
+
+func testSource(t *testing.T, bt brokerUnderTest, topic, events string, extra ...string) {
+	ctx := t.Context()
+	exe := workerBinary(t)
+	db := testenv.Postgres(t)
+	spec := orderSpec{Count: 600, Customers: 20, DupRate: 0.2, PoisonRate: 0.02}
+	b := generate(spec, newRand())
+	if err := bt.publish(ctx, b.Deliveries[:len(b.Deliveries)/2]); err != nil {
+		t.Fatal(err)
+	}
+	logFile, err := os.Create(t.TempDir() + "/workers.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			out, _ := os.ReadFile(logFile.Name())
+			t.Logf("worker logs:\n%s", tail(string(out), 150))
+		}
+		_ = logFile.Close()
+	})
+	start := func(name string) *workerProcess {
+		args := append([]string{"run", "--topic", topic, "--events-topic", events,
+			"--group", testGroup, "--schema", db.Schema, "--http-addr", "127.0.0.1:0"}, bt.args...)
+		p, err := startWorkerProcess(ctx, exe, append(args, extra...), []string{"DATABASE_URL=" + db.URL}, name, logFile)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.kill)
+		return p
+	}
+	q := newEffectQueries(db.Schema)
+	first := start("worker-1")
+	if err := poll(ctx, 60*time.Second, 20*time.Millisecond, "a first order applied", func(ctx context.Context) (bool, error) {
+		n, err := queryInt(ctx, db.Pool, q.countDistinct)
+		return n > 0, cmp.Or(err, alive(first))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	first.kill() // SIGKILL, mid-stream: no drain, no ack of what is in flight
+	if err := bt.publish(ctx, b.Deliveries[len(b.Deliveries)/2:]); err != nil {
+		t.Fatal(err)
+	}
+	second := start("worker-2")
+	if err := poll(ctx, 90*time.Second, 50*time.Millisecond, "every order applied, every message settled, the outbox empty", func(ctx context.Context) (bool, error) {
+		if err := alive(second); err != nil {
+			return false, err
+		}
+		n, err := queryInt(ctx, db.Pool, q.countDistinct)
+		if err != nil || n < int64(len(b.Orders)) {
+			return false, err
+		}
+		if pending, err := queryInt(ctx, db.Pool, q.pending); err != nil || pending > 0 {
+			return false, err
+		}
+		return bt.settled(ctx)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	stopAll(t, second)
+
+	rep, err := checkEffects(ctx, db.Pool, db.Schema, testGroup, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs, limit, err := bt.events(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := verifyEvents(recs, events, b, rep, limit); err != nil {
+		t.Fatal(err)
+	}
+	rep.PoisonRecords = len(b.Poison) // their inbox rows are the dead letters' (checked below)
+	requireExactlyOnce(t, rep)
+	if rep.EventIDs != len(b.Orders) || rep.EventOrders != len(b.Orders) {
+		t.Errorf("events: %d ids for %d orders, want %d each", rep.EventIDs, rep.EventOrders, len(b.Orders))
+	}
+	entries, err := bt.deadLetters(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkSourceDeadLetters(t, entries, topic, b)
+}
+
+// checkSourceDeadLetters requires each poison message of b among the dead
+// letters, once, as undecodable or permanent, and nothing else there.
+func checkSourceDeadLetters(t *testing.T, entries []dlq.Entry, topic string, b orderBatch) {
+	t.Helper()
+	want := make(map[string]bool, len(b.Poison))
+	for _, id := range b.Poison {
+		want[id] = true
+	}
+	for _, e := range entries {
+		switch {
+		case !want[e.Info.MessageID]:
+			t.Errorf("dead letter %s (message id %s) is not a poison message, or is there twice", e.Ref(), e.Info.MessageID)
+		case e.Info.Group != testGroup || e.Info.Topic != topic || (e.Info.Class != dlq.ClassUndecodable && e.Info.Class != dlq.ClassPermanent):
+			t.Errorf("dead letter %s: group %q, topic %q, class %q; want %q, %q, undecodable or permanent", e.Ref(), e.Info.Group, e.Info.Topic, e.Info.Class, testGroup, topic)
+		}
+		delete(want, e.Info.MessageID)
+	}
+	if len(want) > 0 {
+		t.Errorf("%d poison messages not dead-lettered: %v", len(want), want)
+	}
+	if len(b.Poison) == 0 {
+		t.Error("the batch had no poison message to check")
+	}
+}
+
+// jetStreamUnderTest is NATS JetStream at natsURL, its streams deleted when
+// the test ends.
+func jetStreamUnderTest(t *testing.T, topic, events string) brokerUnderTest {
+	nc, js, err := jetStreamConn(natsURL, "orderworker test")
+	if err != nil {
+		t.Fatalf("%v (is nats-server -js running?)", err)
+	}
+	t.Cleanup(nc.Close)
+	t.Cleanup(func() {
+		for _, s := range []string{topic, natsconsumer.DefaultDeadLetterSubject(topic), events} {
+			dctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			_ = js.DeleteStream(dctx, streamName(s))
+			cancel()
+		}
+	})
+	return brokerUnderTest{
+		args: []string{"--source", "jetstream", "--nats", natsURL, "--ack-wait", "2s"},
+		publish: func(ctx context.Context, ds []delivery) error {
+			return publishOrders(ctx, natsURL, topic, events, ds)
+		},
+		settled: func(ctx context.Context) (bool, error) {
+			c, err := js.Consumer(ctx, streamName(topic), testGroup)
+			if err != nil {
+				return false, err
+			}
+			info, err := c.Info(ctx)
+			return err == nil && info.NumPending == 0 && info.NumAckPending == 0, err
+		},
+		events: func(ctx context.Context) ([]*kgo.Record, func() (int, error), error) {
+			recs, err := natsconsumer.ReadStream(ctx, js, streamName(events))
+			return recs, func() (int, error) { return int(nc.MaxPayload()), nil }, err
+		},
+		deadLetters: func(ctx context.Context) ([]dlq.Entry, error) {
+			return natsconsumer.DeadLetters(ctx, js, streamName(natsconsumer.DefaultDeadLetterSubject(topic)), dlq.Filter{RefuseInvalid: true})
+		},
+	}
+}
+
+// rabbitUnderTest is RabbitMQ at amqpURL, the test's queues deleted when it
+// ends.
+func rabbitUnderTest(t *testing.T, topic, events string) brokerUnderTest {
+	conn, err := amqp.Dial(amqpURL)
+	if err != nil {
+		t.Fatalf("RabbitMQ at %s: %v", redactURL(amqpURL), err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dlqQueue := rabbitconsumer.DefaultDeadLetterRoutingKey(topic)
+	t.Cleanup(func() {
+		for _, q := range []string{topic, dlqQueue, rabbitconsumer.DefaultRetryQueue(topic), events} {
+			_, _ = ch.QueueDelete(q, false, false, false)
+		}
+	})
+	depth := func(q string) (int, error) {
+		info, err := ch.QueueDeclarePassive(q, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
+		return info.Messages, err
+	}
+	return brokerUnderTest{
+		args: []string{"--source", "rabbitmq", "--amqp", amqpURL},
+		publish: func(ctx context.Context, ds []delivery) error {
+			return publishRabbit(ctx, amqpURL, topic, events, ds)
+		},
+		settled: func(context.Context) (bool, error) {
+			// Messages counts the ready ones: with every order applied and
+			// the outbox empty, empty queues leave nothing to deliver.
+			n, err := depth(topic)
+			if err != nil || n > 0 {
+				return false, err
+			}
+			r, err := depth(rabbitconsumer.DefaultRetryQueue(topic))
+			return r == 0, err
+		},
+		events: func(ctx context.Context) ([]*kgo.Record, func() (int, error), error) {
+			recs, err := drainQueue(ch, events)
+			return recs, func() (int, error) { return 128 << 20, nil }, err // RabbitMQ's default max_message_size
+		},
+		deadLetters: func(ctx context.Context) ([]dlq.Entry, error) {
+			q, err := rabbitconsumer.OpenDeadLetters(ctx, amqpURL, dlqQueue)
+			if err != nil {
+				return nil, err
+			}
+			defer q.Close()
+			return q.Entries(ctx, dlq.Filter{RefuseInvalid: true})
+		},
+	}
+}
+
+// drainQueue takes every message of queue (acknowledging it) as a record:
+// the body, the headers, the key from rabbitconsumer.HeaderKey and the
+// message id from the message_id property when no header carries it.
+func drainQueue(ch *amqp.Channel, queue string) ([]*kgo.Record, error) {
+	var recs []*kgo.Record
+	for {
+		d, ok, err := ch.Get(queue, true)
+		if err != nil || !ok {
+			return recs, err
+		}
+		rec := &kgo.Record{Topic: queue, Offset: int64(len(recs)), Value: d.Body}
+		for k, v := range d.Headers {
+			s, _ := v.(string)
+			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(s)})
+			if k == rabbitconsumer.HeaderKey {
+				rec.Key = []byte(s)
+			}
+		}
+		if header(rec, consumer.DefaultMessageIDHeader) == "" && d.MessageId != "" {
+			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: consumer.DefaultMessageIDHeader, Value: []byte(d.MessageId)})
+		}
+		recs = append(recs, rec)
+	}
+}
