@@ -9,16 +9,19 @@ import (
 	"embed"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"html/template"
 	"io/fs"
 	"log/slog"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dedup"
@@ -52,6 +55,17 @@ type Config struct {
 	// natsconsumer.DefaultDeadLetterSubject puts dead letters); name them
 	// when the consumers' DeadLetterSubject puts them elsewhere.
 	DeadLetterStreams []string
+	// AMQPURL reaches the RabbitMQ of the rabbitconsumer consumers
+	// (amqp://user:password@host:5672/vhost): the console opens a
+	// connection of its own for each listing and redrive of a dead-letter
+	// queue, and closes it before the request ends. Without it the pages
+	// show no RabbitMQ dead letters.
+	AMQPURL string
+	// DeadLetterQueues are the RabbitMQ dead-letter queues shown (each a
+	// rabbitconsumer Config.DeadLetterQueue). Required with AMQPURL:
+	// RabbitMQ cannot list its queues over AMQP (only its management
+	// plugin can), so the console does not discover them.
+	DeadLetterQueues []string
 	// IDHeader is the dedup id header of redriven records and messages
 	// (a natsconsumer's MessageIDHeader). Default "message-id".
 	IDHeader string
@@ -155,7 +169,7 @@ type Console struct {
 // round is logged and the next one tried.
 func (c *Console) Run(ctx context.Context) error {
 	s := c.s
-	if len(s.cfg.KafkaOpts) == 0 && s.jetstream == nil {
+	if len(s.cfg.KafkaOpts) == 0 && s.jetstream == nil { // RabbitMQ's queues are read per view only
 		<-ctx.Done()
 		return nil
 	}
@@ -182,6 +196,11 @@ func (s *server) sample(ctx context.Context) error {
 		_, err = s.lag(ctx)
 	}
 	for _, src := range s.sources() {
+		if _, ok := src.(*rabbitSource); ok {
+			// A listing holds a queue's messages from its other readers:
+			// only a request lists a queue, for as long as it takes.
+			continue
+		}
 		places, perr := src.places(ctx)
 		err = errors.Join(err, perr)
 		for _, p := range places {
@@ -205,6 +224,8 @@ type server struct {
 	// jetstream is JetStream's dead-letter streams; nil without
 	// Config.JetStream.
 	jetstream *jetStreamSource
+	// rabbit is RabbitMQ's dead-letter queues; nil without Config.AMQPURL.
+	rabbit *rabbitSource
 
 	lagHistory lagHistory
 	tmpl       *template.Template
@@ -235,6 +256,21 @@ func New(cfg Config) (*Console, error) {
 		s.jetstream = &jetStreamSource{js: cfg.JetStream, streams: cfg.DeadLetterStreams}
 	} else if len(cfg.DeadLetterStreams) > 0 {
 		return nil, errors.New("console: Config.DeadLetterStreams: needs Config.JetStream")
+	}
+	switch {
+	case cfg.AMQPURL != "" && len(cfg.DeadLetterQueues) == 0:
+		return nil, errors.New("console: Config.DeadLetterQueues: required with Config.AMQPURL (RabbitMQ cannot list its queues over AMQP)")
+	case cfg.AMQPURL == "" && len(cfg.DeadLetterQueues) > 0:
+		return nil, errors.New("console: Config.DeadLetterQueues: needs Config.AMQPURL")
+	case cfg.AMQPURL != "":
+		if _, err := amqp.ParseURI(cfg.AMQPURL); err != nil {
+			// Not err: a URL that does not parse is quoted whole, password and all.
+			return nil, fmt.Errorf("console: Config.AMQPURL: %s is not an AMQP URL (amqp://user:password@host:5672/vhost)", outbound.RedactURL(cfg.AMQPURL))
+		}
+		if slices.Contains(cfg.DeadLetterQueues, "") {
+			return nil, errors.New("console: Config.DeadLetterQueues: a queue name is empty")
+		}
+		s.rabbit = newRabbitSource(cfg.AMQPURL, cfg.DeadLetterQueues)
 	}
 	var err error
 	if s.inbox, err = dedup.New(dedup.Config{Schema: s.schema}); err != nil {

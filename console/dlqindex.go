@@ -311,3 +311,26 @@ func (ix *dlqIndex) withValues(ctx context.Context, topic string, entries []dlq.
 	}
 	return out, nil
 }
+
+// addEntries indexes the entries of a listing that counted the copies of
+// each dead-lettering itself (dlq.Entries): each entry is its first copy,
+// and its other copies are counted, not held.
+func (t *topicIndex) addEntries(entries []dlq.Entry, ends map[int32]int64) {
+	recs := make([]*kgo.Record, len(entries))
+	for i, e := range entries {
+		recs[i] = e.Record
+	}
+	t.add(recs, ends)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, e := range entries {
+		if e.Info == nil || e.Copies < 2 {
+			continue
+		}
+		i := e.Info
+		id := t.ids[idKey{i.Group, i.MessageID, i.Topic, i.Partition, i.Offset}]
+		for range e.Copies - 1 {
+			id.copies = append(id.copies, &indexed{id: id}) // counted only: no record
+		}
+	}
+}

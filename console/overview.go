@@ -294,7 +294,7 @@ type overviewData struct {
 	Lag        []lagRow
 	LagErr     string
 	TrendSince time.Duration // how far back the lag samples go
-	NoKafka    bool          // only JetStream is configured: no lag to show
+	NoKafka    bool          // only JetStream or RabbitMQ is configured: no lag to show
 	// DeadLetters are every source's places; AnyPlaces: one has a place.
 	DeadLetters []sourceCounts
 	AnyPlaces   bool
@@ -328,7 +328,7 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 	d := overviewData{Classes: classes, Breakers: map[string]int{}, Times: newTimes(now)}
 	v.Data = &d
 	var wg sync.WaitGroup
-	d.NoKafka = len(s.cfg.KafkaOpts) == 0 && s.jetstream != nil
+	d.NoKafka = len(s.cfg.KafkaOpts) == 0 && s.otherBrokers()
 	if !d.NoKafka {
 		wg.Go(func() {
 			var err error

@@ -376,6 +376,8 @@ type recordData struct {
 	Value   string
 	Format  string // json, text or hex
 	Key     string
+	// Numbering is the source's numbering of the ref (confirmData's).
+	Numbering string
 }
 
 type header struct{ Key, Value string }
@@ -418,7 +420,7 @@ func (s *server) record(ctx context.Context, r *http.Request, v *view) (string, 
 		return "record.html", err
 	}
 	e := &entries[0]
-	d.Entry, d.Key, d.Origin = e, printable(e.Record.Key), src.origin(e)
+	d.Entry, d.Key, d.Origin, d.Numbering = e, printable(e.Record.Key), src.origin(e), src.numbering()
 	for _, h := range e.Record.Headers {
 		val := printable(h.Value)
 		if sensitive(h.Key) {
@@ -447,6 +449,9 @@ type confirmData struct {
 	Shown   []dlq.Result // the first pageSize of them
 	Count   int          // records that would be redriven
 	Skipped int
+	// Numbering is the source's numbering of Upto's offsets and of the
+	// refs, when they are the console's own (deadLetterSource.numbering).
+	Numbering string
 }
 
 // upto encodes the last offset of each partition among entries.
@@ -498,11 +503,11 @@ func (s *server) dlqConfirm(ctx context.Context, r *http.Request, v *view) (stri
 	if len(d.Refs) == 0 && q.Get("all") != "1" {
 		return "confirm.html", badRequest{"select records, or redrive all that match the filter"}
 	}
-	entries, _, err := s.list(ctx, d.Q, d.Refs)
+	entries, src, err := s.list(ctx, d.Q, d.Refs)
 	if err != nil {
 		return "confirm.html", err
 	}
-	d.Upto = upto(entries)
+	d.Upto, d.Numbering = upto(entries), src.numbering()
 	if d.Results, err = s.dryRun(ctx, entries); err != nil {
 		return "confirm.html", err
 	}
@@ -533,6 +538,11 @@ func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.V
 	entries, src, err := s.list(ctx, q, refs)
 	if err != nil {
 		return "", nil, "", nil, err
+	}
+	if got, want := f.Get("numbering"), src.numbering(); got != want {
+		// Offsets numbered by another console process (or before a
+		// restart) name other messages here.
+		return "", nil, "", nil, badRequest{fmt.Sprintf("the records of %s were numbered by another console process, or before this one restarted: run the dry run again", q.place())}
 	}
 	if f.Has("upto") {
 		kept := entries[:0]

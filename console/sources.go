@@ -44,6 +44,11 @@ type deadLetterSource interface {
 	// origin describes where e's message came from, for the record page;
 	// nil: the Kafka form (topic, partition, offset).
 	origin(e *dlq.Entry) []header
+	// numbering names the numbering of the offsets: "" when they are the
+	// broker's (Kafka's offsets, JetStream's sequences), and otherwise the
+	// console process's own (a RabbitMQ queue's numbers), which a
+	// confirmation must have been dry-run under.
+	numbering() string
 }
 
 // sourceKind names a source and its places in the pages.
@@ -62,18 +67,24 @@ type sourceKind struct {
 var kafkaKind = sourceKind{Param: "topic", Noun: "topic", Broker: "Kafka", Origin: "topic"}
 
 // sources returns the sources the console shows, Kafka first: Kafka unless
-// only JetStream is configured (without either, the Kafka source answers
-// errNoKafka, as the pages always did).
+// only JetStream or RabbitMQ is configured (without any, the Kafka source
+// answers errNoKafka, as the pages always did).
 func (s *server) sources() []deadLetterSource {
 	var out []deadLetterSource
-	if len(s.cfg.KafkaOpts) > 0 || s.jetstream == nil {
+	if len(s.cfg.KafkaOpts) > 0 || !s.otherBrokers() {
 		out = append(out, kafkaSource{s})
 	}
 	if s.jetstream != nil {
 		out = append(out, s.jetstream)
 	}
+	if s.rabbit != nil {
+		out = append(out, s.rabbit)
+	}
 	return out
 }
+
+// otherBrokers reports whether a broker other than Kafka is configured.
+func (s *server) otherBrokers() bool { return s.jetstream != nil || s.rabbit != nil }
 
 // source returns the source whose places param names.
 func (s *server) source(param string) (deadLetterSource, error) {
@@ -90,7 +101,7 @@ func (s *server) source(param string) (deadLetterSource, error) {
 
 // placeParams are the query parameters that name a place, in the order a
 // query is read by (a query that has several is read by the first).
-var placeParams = []string{kafkaKind.Param, jetStreamKind.Param}
+var placeParams = []string{kafkaKind.Param, jetStreamKind.Param, rabbitKind.Param}
 
 // ---- Kafka ----
 
@@ -119,6 +130,8 @@ func (k kafkaSource) redrive(ctx context.Context, entries []dlq.Entry, opts dlq.
 }
 
 func (kafkaSource) origin(*dlq.Entry) []header { return nil }
+
+func (kafkaSource) numbering() string { return "" }
 
 // ---- JetStream ----
 
@@ -266,6 +279,8 @@ func (j *jetStreamSource) withValues(ctx context.Context, stream string, entries
 	}
 	return out, nil
 }
+
+func (*jetStreamSource) numbering() string { return "" }
 
 func (j *jetStreamSource) redrive(ctx context.Context, entries []dlq.Entry, opts dlq.RedriveOptions) ([]dlq.Result, error) {
 	return natsconsumer.Redrive(ctx, j.js, entries, opts)

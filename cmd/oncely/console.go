@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -15,9 +16,11 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/oncely/oncely/console"
 	"github.com/oncely/oncely/internal/kafkaflags"
+	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // tokenEnv gives the console's bearer token when --token is not set (so
@@ -27,12 +30,14 @@ const tokenEnv = "ONCELY_CONSOLE_TOKEN"
 // consoleCmd serves the operator console:
 //
 //	oncely console [--listen 127.0.0.1:8089] [--database-url URL] [--schema oncely] [--brokers B]
-//	               [--dlq-topic T]... [--nats URL [--stream S]...] [--token T] [--actions]
+//	               [--dlq-topic T]... [--nats URL [--stream S]...] [--amqp URL --queue Q...] [--token T] [--actions]
 //	               [--inbox-retention D] [--sample-interval D]
 //
 // It binds to localhost unless --listen says otherwise, and refuses a
 // non-loopback address without a token. With --nats it shows JetStream's
-// dead-letter streams too (or only them, without --brokers).
+// dead-letter streams too (or only them, without --brokers), and with
+// --queue RabbitMQ's dead-letter queues, which must be named: RabbitMQ
+// cannot list its queues over AMQP.
 func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("console", flag.ContinueOnError)
 	var db dbFlags
@@ -48,6 +53,9 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	fs.Var(&topics, "dlq-topic", "dead-letter topic to show (repeatable; default every topic named *.dlq)")
 	natsURL := fs.String("nats", os.Getenv("NATS_URL"), "NATS server whose JetStream dead-letter streams to show too (env NATS_URL; default none)")
 	fs.Var(&streams, "stream", "JetStream dead-letter stream to show (repeatable, with --nats; default every stream whose subjects all start with dlq.)")
+	var queues refs
+	fs.Var(&queues, "queue", "RabbitMQ dead-letter queue to show (repeatable, with --amqp; required for RabbitMQ: its queues cannot be listed over AMQP)")
+	amqpURL := fs.String("amqp", cmp.Or(os.Getenv("AMQP_URL"), defaultAMQPURL), "RabbitMQ of --queue (env AMQP_URL)")
 	if err := parse(fs, args, stderr); err != nil {
 		return err
 	}
@@ -94,6 +102,15 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		}
 		cfg.DeadLetterStreams = streams
 	}
+	switch {
+	case len(queues) > 0:
+		if _, err := amqp.ParseURI(*amqpURL); err != nil {
+			return usageErr("--amqp: %s is not an AMQP URL (amqp://user:password@host:5672/vhost)", outbound.RedactURL(*amqpURL))
+		}
+		cfg.AMQPURL, cfg.DeadLetterQueues = *amqpURL, queues
+	case kafkaflags.Given(fs, "amqp"):
+		return usageErr("--amqp: needs --queue, each dead-letter queue to show (RabbitMQ cannot list its queues over AMQP)")
+	}
 	pool, err := db.connect(ctx, k.timeout)
 	if err != nil {
 		return err
@@ -115,6 +132,9 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		mode = "actions enabled"
 	}
 	fmt.Fprintf(stdout, "oncely console on http://%s/ (%s)\n", ln.Addr(), mode)
+	if cfg.AMQPURL != "" { // never the password
+		fmt.Fprintf(stdout, "RabbitMQ dead-letter queues %s at %s\n", strings.Join(queues, ", "), outbound.RedactURL(cfg.AMQPURL))
+	}
 	// The sampler stops with the server: on ctx, or when Serve fails.
 	rctx, stopRun := context.WithCancel(ctx)
 	ran := make(chan struct{})

@@ -1,0 +1,293 @@
+package console
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/rabbitconsumer"
+	"github.com/oncely/oncely/webhook/outbound"
+)
+
+var rabbitKind = sourceKind{Param: "queue", Noun: "queue", Broker: "RabbitMQ", Origin: "queue"}
+
+// rabbitSource is RabbitMQ's dead-letter queues, read through
+// rabbitconsumer.OpenDeadLetters. A queue is not a log: it cannot be read
+// from an offset on, and a listing delivers every message to the console,
+// which holds them (invisible to any other consumer of the queue) until it
+// closes the listing. So every use of a queue (each view, each redrive) is
+// a listing of its own, closed before the request ends, and no listing is
+// kept between requests; Console.Run does not read the queues.
+//
+// A listing's positions are not stable (a redrive, or another reader,
+// shifts them), so the console numbers the dead letters itself: a message
+// gets the next number of its queue the first time a listing shows it,
+// and keeps it in every later listing of this console process, recognised
+// by a hash of its body and headers (which carry the group, dedup id,
+// source queue and times of its dead-lettering; the queue's delivery
+// counts, which a listing changes, are left out). Identical messages are
+// told apart by their order. The numbers are the offsets of partition 0:
+// refs ("0/17"), pages and the dry run's upper bound ("upto") use them as
+// they use a Kafka topic's, and a message dead-lettered after a dry run
+// has a higher number than any the dry run showed. Numbers are those of
+// one process: a confirmation carries the process's numbering (see
+// numbering) and is refused by another, or after a restart.
+type rabbitSource struct {
+	url    string
+	queues []string
+	epoch  string // this process's numbering
+
+	mu sync.Mutex
+	qs map[string]*rabbitQueue
+}
+
+// rabbitQueue is the console's numbering of one queue's dead letters.
+type rabbitQueue struct {
+	list sync.Mutex // one listing of the queue at a time in this process
+
+	mu   sync.Mutex // guards what follows
+	next int64
+	seen map[[sha256.Size]byte]*seenMessage
+	// whole is the last listing's records, with value and headers, by
+	// number (withValues).
+	whole map[int64]*kgo.Record
+}
+
+// seenMessage is the numbers of the messages with one hash, in listing
+// order, and when a listing last showed one.
+type seenMessage struct {
+	nums []int64
+	at   time.Time
+}
+
+// forgetAfter is how long the numbers of messages no listing shows are
+// kept: a message held by another reader meanwhile keeps its number.
+const forgetAfter = 10 * time.Minute
+
+func newRabbitSource(url string, queues []string) *rabbitSource {
+	b := make([]byte, 8)
+	_, _ = rand.Read(b)
+	return &rabbitSource{url: url, queues: slices.Sorted(slices.Values(slices.Compact(slices.Sorted(slices.Values(queues))))),
+		epoch: hex.EncodeToString(b), qs: map[string]*rabbitQueue{}}
+}
+
+func (*rabbitSource) kind() sourceKind { return rabbitKind }
+
+// places returns the configured queues: RabbitMQ cannot list queues over
+// AMQP (only its management plugin can), so they are named.
+func (r *rabbitSource) places(context.Context) ([]string, error) { return r.queues, nil }
+
+func (r *rabbitSource) numbering() string { return r.epoch }
+
+func (r *rabbitSource) queue(name string) (*rabbitQueue, error) {
+	if name == "" {
+		return nil, badRequest{"queue: choose a dead-letter queue"}
+	}
+	if !slices.Contains(r.queues, name) {
+		return nil, badRequest{fmt.Sprintf("queue: %q is not a dead-letter queue of the console (Config.DeadLetterQueues)", name)}
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	q := r.qs[name]
+	if q == nil {
+		q = &rabbitQueue{seen: map[[sha256.Size]byte]*seenMessage{}}
+		r.qs[name] = q
+	}
+	return q, nil
+}
+
+// open lists the queue: the caller holds q.list and closes the listing.
+// Its entries are numbered (Record.Offset is still the listing's
+// position); nums[i] is entries[i]'s number.
+func (r *rabbitSource) open(ctx context.Context, name string, q *rabbitQueue) (*rabbitconsumer.DeadLetterQueue, []dlq.Entry, []int64, error) {
+	dl, err := rabbitconsumer.OpenDeadLetters(ctx, r.url, name)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("dead letters: RabbitMQ at %s: %w", outbound.RedactURL(r.url), err)
+	}
+	entries, err := dl.Entries(ctx, dlq.Filter{})
+	if err != nil {
+		_ = dl.Close()
+		return nil, nil, nil, fmt.Errorf("dead letters: %w", err)
+	}
+	return dl, entries, q.number(entries), nil
+}
+
+// number returns the numbers of a listing's entries, giving the next ones
+// to messages not seen before, and forgets those not seen for forgetAfter.
+func (q *rabbitQueue) number(entries []dlq.Entry) []int64 {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	now := time.Now()
+	nums := make([]int64, len(entries))
+	occurrence := map[[sha256.Size]byte]int{}
+	for i, e := range entries {
+		h := messageHash(e.Record)
+		k := occurrence[h]
+		occurrence[h]++
+		s := q.seen[h]
+		if s == nil {
+			s = &seenMessage{}
+			q.seen[h] = s
+		}
+		if k == len(s.nums) {
+			s.nums = append(s.nums, q.next)
+			q.next++
+		}
+		s.at, nums[i] = now, s.nums[k]
+	}
+	for h, s := range q.seen {
+		if now.Sub(s.at) > forgetAfter {
+			delete(q.seen, h)
+		}
+	}
+	return nums
+}
+
+// messageHash identifies a dead letter across listings: its body and
+// headers, without the delivery counts that each listing changes.
+func messageHash(rec *kgo.Record) [sha256.Size]byte {
+	h := sha256.New()
+	field := func(b []byte) {
+		_ = binary.Write(h, binary.BigEndian, uint64(len(b)))
+		h.Write(b)
+	}
+	field(rec.Value)
+	for _, hd := range rec.Headers { // sorted by name (rabbitconsumer's records)
+		if hd.Key == rabbitconsumer.DeliveryCountHeader || hd.Key == rabbitconsumer.AcquiredCountHeader {
+			continue
+		}
+		field([]byte(hd.Key))
+		field(hd.Value)
+	}
+	var out [sha256.Size]byte
+	h.Sum(out[:0])
+	return out
+}
+
+// sync lists the queue (and closes the listing) and indexes what it
+// listed, by number: an index of the request's own, as the listing is.
+func (r *rabbitSource) sync(ctx context.Context, name string) (*topicIndex, error) {
+	q, err := r.queue(name)
+	if err != nil {
+		return nil, err
+	}
+	q.list.Lock()
+	defer q.list.Unlock()
+	dl, entries, nums, err := r.open(ctx, name, q)
+	if err != nil {
+		return nil, err
+	}
+	_ = dl.Close() // gives every message back, unchanged
+	order := make([]int, len(entries))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int { return cmp.Compare(nums[a], nums[b]) })
+	whole := make(map[int64]*kgo.Record, len(entries))
+	listed := make([]dlq.Entry, len(entries))
+	var next int64
+	for i, k := range order {
+		e := entries[k]
+		whole[nums[k]] = &kgo.Record{Topic: name, Offset: nums[k], Key: e.Record.Key, Value: e.Record.Value,
+			Headers: e.Record.Headers, Timestamp: e.Record.Timestamp}
+		rec := *whole[nums[k]]
+		rec.Value, rec.Headers = nil, slices.Clone(rec.Headers) // the index keeps neither
+		e.Record = &rec
+		listed[i] = e
+		next = max(next, nums[k]+1)
+	}
+	q.mu.Lock()
+	q.whole = whole
+	q.mu.Unlock()
+	ix := &topicIndex{parts: map[int32]*partIndex{}, ids: map[idKey]*identity{}}
+	ix.addEntries(listed, map[int32]int64{0: next})
+	return ix, nil
+}
+
+// withValues returns the entries' messages whole, as the listing of the
+// request's sync read them.
+func (r *rabbitSource) withValues(_ context.Context, name string, entries []dlq.Entry) ([]dlq.Entry, error) {
+	q, err := r.queue(name)
+	if err != nil {
+		return nil, err
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	out := slices.Clone(entries)
+	for i, e := range entries {
+		rec := q.whole[e.Record.Offset]
+		if rec == nil {
+			return nil, fmt.Errorf("dead letters: %s is no longer in queue %s (redriven or taken)", e.Ref(), name)
+		}
+		out[i].Record = rec
+	}
+	return out, nil
+}
+
+// redrive lists the queue again and redrives, from that listing, the
+// messages numbered as entries are: those still there (a message another
+// reader took or holds meanwhile is not redriven, and reported). The
+// listing is closed before it returns: what was not redriven goes back.
+func (r *rabbitSource) redrive(ctx context.Context, entries []dlq.Entry, opts dlq.RedriveOptions) ([]dlq.Result, error) {
+	if len(entries) == 0 {
+		return nil, nil
+	}
+	name := entries[0].Record.Topic
+	q, err := r.queue(name)
+	if err != nil {
+		return nil, err
+	}
+	want := make(map[int64]bool, len(entries))
+	for _, e := range entries {
+		want[e.Record.Offset] = true
+	}
+	q.list.Lock()
+	defer q.list.Unlock()
+	dl, listed, nums, err := r.open(ctx, name, q)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = dl.Close() }()
+	var picked []dlq.Entry
+	var pickedNums []int64
+	for i, e := range listed {
+		if want[nums[i]] {
+			picked, pickedNums = append(picked, e), append(pickedNums, nums[i])
+			delete(want, nums[i])
+		}
+	}
+	results, err := dl.Redrive(ctx, picked, opts)
+	// The results name the console's numbers, not the listing's positions.
+	for i := range picked {
+		rec := *picked[i].Record
+		rec.Offset = pickedNums[i]
+		picked[i].Record = &rec
+	}
+	if err == nil && len(want) > 0 {
+		missing := make([]string, 0, len(want))
+		for n := range want {
+			missing = append(missing, fmt.Sprintf("%s/0/%d", name, n))
+		}
+		slices.Sort(missing)
+		err = fmt.Errorf("dead letters: %d selected were no longer in queue %s (taken or held by another reader): %v", len(missing), name, missing)
+	}
+	return results, err
+}
+
+// origin: the source queue and the delivery that was dead-lettered.
+func (*rabbitSource) origin(e *dlq.Entry) []header {
+	if e.Info == nil {
+		return nil
+	}
+	return []header{{"source", fmt.Sprintf("queue %s, delivery %d, published %s", e.Info.Topic, e.Info.Offset, formatTime(e.Info.Timestamp))}}
+}
