@@ -1321,9 +1321,15 @@ func TestRabbitCLIDeadLetters(t *testing.T) {
 // id", as the consumer would.
 func (e *rabbitEnv) publishDeadLetter(queue, id string) {
 	e.t.Helper()
+	e.publishDeadLetterOf(queue, id, dlq.ClassPermanent)
+}
+
+// publishDeadLetterOf is publishDeadLetter with the class class.
+func (e *rabbitEnv) publishDeadLetterOf(queue, id string, class dlq.Class) {
+	e.t.Helper()
 	now := time.Now()
 	info := dlq.Info{Topic: e.queue, Group: "workers", MessageID: id, Attempts: 1, FirstFailure: now, LastFailure: now,
-		Class: dlq.ClassPermanent, Error: "rejected", Timestamp: now}
+		Class: class, Error: "rejected", Timestamp: now}
 	h := amqp.Table{rabbitconsumer.HeaderQueue: e.queue}
 	for _, x := range info.Headers() {
 		h[x.Key] = string(x.Value)
