@@ -23,11 +23,59 @@ func TestConsoleBadUsage(t *testing.T) {
 		{[]string{"console", "--token", "short"}, "--token: console: bearer token: at least 16 characters"},
 		{[]string{"console", "extra"}, "unexpected arguments"},
 		{[]string{"console", "--stream", "ORDERS_DLQ", "--nats", ""}, "--stream: needs --nats"},
+		{[]string{"console", "--amqp", "amqp://u:s3cret@127.0.0.1:1/"}, "--amqp: needs --queue"},
+		{[]string{"console", "--queue", "q.dlq", "--amqp", "http://u:s3cret@rabbit/"}, "--amqp: http://REDACTED@rabbit/ is not an AMQP URL"},
 	} {
 		code, _, errs := oncely(t, tc.args...)
-		if code != 2 || !strings.Contains(errs, tc.want) {
-			t.Errorf("oncely %q: exit %d, stderr %q; want exit 2 mentioning %q", tc.args, code, errs, tc.want)
+		if code != 2 || !strings.Contains(errs, tc.want) || strings.Contains(errs, "s3cret") {
+			t.Errorf("oncely %q: exit %d, stderr %q; want exit 2 mentioning %q (and no password)", tc.args, code, errs, tc.want)
 		}
+	}
+}
+
+// With --queue, oncely console says which RabbitMQ dead-letter queues it
+// shows and where, without the password, and serves the pages while
+// RabbitMQ is unreachable: the dead-letter page says so, without it too.
+func TestConsoleCommandRabbitMQ(t *testing.T) {
+	t.Parallel()
+	db := pgtest.Postgres(t)
+	base := []string{"--database-url", db.URL, "--schema", db.Schema}
+	if code, out, errs := oncely(t, append([]string{"migrate", "up"}, base...)...); code != 0 {
+		t.Fatalf("migrate: %s %s", out, errs)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	pr, pw := io.Pipe()
+	done := make(chan int, 1)
+	go func() {
+		done <- run(ctx, append([]string{"console", "--listen", "127.0.0.1:0", "--queue", "orders.dlq", "--queue", "payments.dlq",
+			"--amqp", "amqp://guest:s3cret@127.0.0.1:1/"}, base...), pw, io.Discard)
+		pw.Close()
+	}()
+	r := bufio.NewReader(pr)
+	line, err := r.ReadString('\n')
+	if err != nil {
+		t.Fatalf("no address printed: %v", err)
+	}
+	rabbit, err := r.ReadString('\n')
+	if err != nil || rabbit != "RabbitMQ dead-letter queues orders.dlq, payments.dlq at amqp://REDACTED@127.0.0.1:1/\n" {
+		t.Fatalf("printed %q, %v", rabbit, err)
+	}
+	go func() { _, _ = io.Copy(io.Discard, pr) }()
+	addr := strings.Fields(line)[3]
+	req, _ := http.NewRequestWithContext(context.Background(), http.MethodGet, addr+"dlq", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if page := string(b); resp.StatusCode != http.StatusOK || !strings.Contains(page, "RabbitMQ at amqp://REDACTED@127.0.0.1:1/") ||
+		!strings.Contains(page, "<option selected>orders.dlq</option>") || strings.Contains(page, "s3cret") {
+		t.Errorf("dead letters with RabbitMQ unreachable: %d\n%s", resp.StatusCode, page)
+	}
+	cancel()
+	if code := <-done; code != 0 {
+		t.Errorf("exit %d after the context ended", code)
 	}
 }
 
