@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dlq"
@@ -187,7 +188,7 @@ func (r *rabbitSource) sync(ctx context.Context, name string) (*topicIndex, erro
 	if err != nil {
 		return nil, err
 	}
-	_ = dl.Close() // gives every message back, unchanged
+	r.close(ctx, name, dl, held(entries))
 	order := make([]int, len(entries))
 	for i := range order {
 		order[i] = i
@@ -257,7 +258,6 @@ func (r *rabbitSource) redrive(ctx context.Context, entries []dlq.Entry, opts dl
 	if err != nil {
 		return nil, err
 	}
-	defer func() { _ = dl.Close() }()
 	var picked []dlq.Entry
 	var pickedNums []int64
 	for i, e := range listed {
@@ -267,6 +267,13 @@ func (r *rabbitSource) redrive(ctx context.Context, entries []dlq.Entry, opts dl
 		}
 	}
 	results, err := dl.Redrive(ctx, picked, opts)
+	removed := 0
+	for _, res := range results {
+		if res.Action == dlq.Redriven {
+			removed += res.Entry.Copies
+		}
+	}
+	r.close(ctx, name, dl, held(listed)-removed)
 	// The results name the console's numbers, not the listing's positions.
 	for i := range picked {
 		rec := *picked[i].Record
@@ -282,6 +289,59 @@ func (r *rabbitSource) redrive(ctx context.Context, entries []dlq.Entry, opts dl
 		err = fmt.Errorf("dead letters: %d selected were no longer in queue %s (taken or held by another reader): %v", len(missing), name, missing)
 	}
 	return results, err
+}
+
+// held is the number of messages a listing of entries holds: copies
+// included.
+func held(entries []dlq.Entry) int {
+	n := 0
+	for _, e := range entries {
+		n += e.Copies
+	}
+	return n
+}
+
+// returnWait bounds close's wait for the messages of a listing to be back
+// in the queue.
+const returnWait = 2 * time.Second
+
+// close closes a listing of queue that held n messages (those it did not
+// remove) and waits, while the caller still holds the queue's list lock,
+// until the queue has at least n messages ready again: RabbitMQ requeues
+// the messages of a closed channel asynchronously, and a listing that
+// started before they were back would not see them (a view would show
+// fewer dead letters, a confirmation find some "no longer in the queue").
+// The wait ends after returnWait in any case (another reader may hold
+// some).
+func (r *rabbitSource) close(ctx context.Context, queue string, dl *rabbitconsumer.DeadLetterQueue, n int) {
+	_ = dl.Close()
+	if n == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, returnWait)
+	defer cancel()
+	conn, err := amqp.DialConfig(r.url, amqp.Config{Dial: amqp.DefaultDial(returnWait)})
+	if err != nil {
+		return
+	}
+	defer func() { _ = conn.Close() }()
+	ch, err := conn.Channel()
+	if err != nil {
+		return
+	}
+	poll := time.Millisecond
+	for {
+		st, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+		if err != nil || st.Messages >= n {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(poll): // the broker's count has no notification to wait on
+		}
+		poll = min(2*poll, 50*time.Millisecond)
+	}
 }
 
 // origin: the source queue and the delivery that was dead-lettered.
