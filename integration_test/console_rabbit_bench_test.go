@@ -1,0 +1,129 @@
+package integration_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/oncely/oncely/console"
+	"github.com/oncely/oncely/dlq"
+	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/rabbitconsumer"
+)
+
+// BenchmarkConsoleRabbitPages renders the dead-letter pages of a RabbitMQ
+// dead-letter queue (a quorum queue) of 10,000 dead letters and reports
+// beside each the time of one listing of the queue by
+// rabbitconsumer.OpenDeadLetters, Entries and Close (list-ms/op), measured
+// in the same round: every page lists the queue once (a confirmed
+// redrive, not measured here, twice), so a page costs that listing, the
+// wait for its messages to be back in the queue, and the rendering. ONCELY_CONSOLE_BENCH_SCALE scales
+// the volume.
+//
+//	go test -run '^$' -bench BenchmarkConsoleRabbitPages -benchtime 3x ./integration_test/
+func BenchmarkConsoleRabbitPages(b *testing.B) {
+	nDead := int(10_000 * consoleBenchScale(b))
+	ctx := context.Background()
+	db := testenv.Migrated(b)
+	conn, err := amqp.Dial(rabbitURL)
+	if err != nil {
+		b.Fatalf("connect to RabbitMQ at %s: %v", rabbitAddr, err)
+	}
+	b.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		b.Fatal(err)
+	}
+	source := testenv.UniqueName("bench-rabbit")
+	queue := rabbitconsumer.DefaultDeadLetterRoutingKey(source)
+	if _, err := ch.QueueDeclare(queue, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _, _ = ch.QueueDelete(queue, false, false, false) })
+	if err := ch.Confirm(false); err != nil {
+		b.Fatal(err)
+	}
+
+	start := time.Now()
+	now := time.Now()
+	var confirms []*amqp.DeferredConfirmation
+	for i := range nDead {
+		info := &dlq.Info{Topic: source, Offset: int64(i + 1), Group: "workers-" + strconv.Itoa(i%4),
+			MessageID: "msg-" + strconv.Itoa(i), Attempts: 3, FirstFailure: now, LastFailure: now, Timestamp: now,
+			Class: []dlq.Class{dlq.ClassPermanent, dlq.ClassMaxAttempts, dlq.ClassUndecodable}[i%3], Error: "failure " + strconv.Itoa(i%50)}
+		h := amqp.Table{rabbitconsumer.HeaderQueue: source}
+		for _, x := range info.Headers() {
+			h[x.Key] = string(x.Value)
+		}
+		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, amqp.Publishing{
+			MessageId: info.MessageID, Headers: h, DeliveryMode: amqp.Persistent,
+			Body: []byte(`{"order":` + strconv.Itoa(i) + `,"lines":["` + strings.Repeat("x", 200) + `"]}`)})
+		if err != nil {
+			b.Fatal(err)
+		}
+		confirms = append(confirms, dc)
+	}
+	for _, dc := range confirms {
+		if ok, err := dc.WaitContext(ctx); !ok || err != nil {
+			b.Fatalf("publish not confirmed: %v", err)
+		}
+	}
+	b.Logf("seeded %d dead letters in %s", nDead, time.Since(start).Round(time.Millisecond))
+	ready := func() {
+		testenv.Eventually(b, time.Minute, "the dead letters back in the queue", func() bool {
+			st, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+			return err == nil && st.Messages == nDead
+		})
+	}
+	ready()
+
+	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, AMQPURL: rabbitURL,
+		DeadLetterQueues: []string{queue}, Timeout: 5 * time.Minute})
+	if err != nil {
+		b.Fatal(err)
+	}
+	list := func() time.Duration {
+		t0 := time.Now()
+		q, err := rabbitconsumer.OpenDeadLetters(ctx, rabbitURL, queue)
+		if err != nil {
+			b.Fatal(err)
+		}
+		entries, err := q.Entries(ctx, dlq.Filter{})
+		_ = q.Close()
+		if err != nil || len(entries) != nDead {
+			b.Fatalf("Entries: %d entries, %v; want %d", len(entries), err, nDead)
+		}
+		return time.Since(t0)
+	}
+	pages := []struct{ name, path string }{
+		{"overview", "/"},
+		{"dlq", "/dlq?queue=" + queue},
+		{"dlq-filtered", "/dlq?queue=" + queue + "&class=permanent&text=failure+7"},
+		{"record", "/record?queue=" + queue + "&ref=0/" + strconv.Itoa(nDead/2)},
+		{"dlq-confirm", "/dlq-confirm?all=1&class=permanent&queue=" + queue},
+	}
+	for _, p := range pages {
+		b.Run(p.name, func(b *testing.B) {
+			var pageTotal, listTotal time.Duration
+			round := 0
+			for b.Loop() {
+				round++
+				page := timedPage(b, h, p.path)
+				ready()
+				l := list()
+				ready()
+				pageTotal, listTotal = pageTotal+page, listTotal+l
+				fmt.Fprintf(os.Stderr, "console rabbitmq bench: %-12s round %d: page %7.1f ms, listing %7.1f ms (%d dead letters)\n",
+					p.name, round, ms(page), ms(l), nDead)
+			}
+			b.ReportMetric(ms(pageTotal)/float64(b.N), "page-ms/op")
+			b.ReportMetric(ms(listTotal)/float64(b.N), "list-ms/op")
+		})
+	}
+}
