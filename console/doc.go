@@ -44,6 +44,30 @@
 // source stream, not a dead-letter stream of the consumers. A consumer
 // configured with another DeadLetterSubject needs its stream named.
 //
+// RabbitMQ's dead-letter queues (Config.AMQPURL, DeadLetterQueues;
+// ?queue=NAME) get the same pages too. The queues must be named: RabbitMQ
+// cannot list its queues over AMQP (only its management plugin can). A
+// queue is not a log: RabbitMQ shows a message only by delivering it, so
+// each request that needs a queue lists it whole through
+// rabbitconsumer.OpenDeadLetters, which holds its messages unacknowledged
+// (invisible to any other reader of the queue) until the listing is
+// closed; the console closes it before the request ends, then waits
+// (at most 2 s) until RabbitMQ has requeued them, so that the next listing
+// sees them all. No listing is kept between requests, and Console.Run does
+// not read the queues. A listing's positions shift as messages leave the
+// queue, so the console numbers the dead letters itself: a message keeps
+// the number the first listing that showed it gave it, recognised by a
+// hash of its body and headers (its group, dedup id, source queue and
+// times of dead-lettering among them; not the delivery counts a listing
+// changes), identical messages by their order. Those numbers are the
+// offsets of the pages' refs (0/NUMBER) and of the dry run's bound: a
+// confirmation lists the queue again and redrives, from that listing,
+// the messages the filter matches whose numbers are at most the dry
+// run's last, so that a dead letter added since is left, however the
+// positions moved; one no longer there is reported. The numbers are a
+// console process's: the forms carry its numbering, and another process
+// (or the same after a restart) refuses them, asking for a new dry run.
+//
 // Redrive of dead letters goes through dlq.Redrive, which records a redrive
 // grant in the consumers' inbox before producing: each redrive runs the
 // message exactly once more. Redriving "every record matching the filter"
@@ -93,6 +117,10 @@
 //     a first read takes about 100 ms per 10,000 dead letters (1 s per
 //     100,000); later views of 10,000 take 2 to 5 ms, where reading the
 //     stream whole (natsconsumer.DeadLetters) takes about 80 ms.
+//   - A RabbitMQ queue is listed whole at each view: on the local
+//     RabbitMQ a page of a queue of 10,000 dead letters takes about 0.3 to
+//     0.7 s, as one rabbitconsumer listing does (the benchmark
+//     BenchmarkConsoleRabbitPages measures both in each round).
 //   - The inbox is counted exactly up to 100,000 rows; above, its total
 //     is the planner's estimate (or, for a table never analyzed, a block
 //     sample's rows scaled by its share of the pages: within about 5 %),
@@ -102,8 +130,9 @@
 //   - Parked outbox rows are listed 100 a page, their held rows counted in
 //     one join.
 //
-// Not done here: the dead letters of brokers other than Kafka and
-// JetStream (RabbitMQ's would be one more deadLetterSource), consumer lag
-// of JetStream consumers, and a dead-letter index shared between console
-// processes (each reads the topics and streams itself).
+// Not done here: the dead letters of brokers other than Kafka, JetStream
+// and RabbitMQ, consumer lag of JetStream and RabbitMQ consumers, a
+// dead-letter index shared between console processes (each reads the
+// topics and streams itself), and a numbering of RabbitMQ dead letters
+// shared between them.
 package console

@@ -26,9 +26,9 @@ import (
 // offset (a JetStream stream's: partition 0 and the stream sequence), as
 // the dlq.Entries of the broker's own dead-letter tools address them. A
 // broker whose dead letters cannot be read from an offset on (a RabbitMQ
-// queue) can still be a source: its sync reads the place whole, numbering
-// the records in the order read, and replaces the index (topicIndex.reset,
-// then add).
+// queue) is a source too: its sync reads the place whole into an index of
+// the request's own, its offsets numbers the console gives (see
+// rabbitSource and numbering).
 type deadLetterSource interface {
 	kind() sourceKind
 	// places returns the dead-letter places shown, sorted.
