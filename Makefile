@@ -124,10 +124,11 @@ vet:
 ## test-console-browser: the operator console in a real headless Chromium (Debian's
 ## chromium, installed by scripts/install-chromium.sh if missing): filter, redrive,
 ## retry and pause through the pages, effects checked in Postgres and Kafka; and a JetStream
-## dead-letter stream's pages (the local nats-server)
+## dead-letter stream's pages (the local nats-server) and a RabbitMQ dead-letter queue's (the
+## local RabbitMQ)
 test-console-browser:
 	scripts/install-chromium.sh
-	ONCELY_BROWSER_TEST=1 $(GO) test -race -count=1 -timeout 5m -run '^TestConsole(JetStream)?InBrowser$$' ./integration_test/
+	ONCELY_BROWSER_TEST=1 $(GO) test -race -count=1 -timeout 5m -run '^TestConsole(JetStream|RabbitMQ)?InBrowser$$' ./integration_test/
 
 ## bench-console: every console page rendered on 1,000,000 inbox rows, 100,000 outbox rows and
 ## 100,000 dead letters, beside the same queries' raw time, and the dead-letter pages of a

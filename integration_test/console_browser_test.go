@@ -241,3 +241,55 @@ func TestConsoleJetStreamInBrowser(t *testing.T) {
 		t.Errorf("want the redrive logged with the operator's name:\n%s", logs)
 	}
 }
+
+// The RabbitMQ dead-letter pages in a real headless Chromium, on a console
+// with RabbitMQ only: the overview counts the queue's dead letters, the
+// operator filters them, redrives every match through the dry run and its
+// confirmation, each redriven message runs exactly once more while the
+// others stay in the queue, and a record shows its value and source queue.
+func TestConsoleRabbitMQInBrowser(t *testing.T) {
+	env := seedRabbitConsole(t)
+	run, shot := browser(t)
+	var text string
+
+	run("overview", chromedp.Navigate(env.base), chromedp.WaitVisible(`#dlq-queues`), chromedp.Text(`#dlq-queues`, &text),
+		shot("rabbitmq-overview"))
+	if !strings.Contains(text, env.dlq) {
+		t.Errorf("overview shows no dead-letter queue:\n%s", text)
+	}
+	run("filter",
+		chromedp.Click(`#dlq-queues a`), chromedp.WaitVisible(`form.filter`),
+		chromedp.SetValue(`select[name="class"]`, "permanent"),
+		chromedp.SendKeys(`input[name="text"]`, "schema v1"),
+		chromedp.SendKeys(`input[name="source"]`, env.queue),
+		chromedp.Click(`form.filter button[type="submit"]`),
+		chromedp.WaitVisible(`//p[contains(., "3 dead letters match")]`),
+		shot("rabbitmq-dead-letters"))
+	run("dry run",
+		chromedp.Click(`button[name="all"]`), chromedp.WaitVisible(`#dry-run`), chromedp.Text(`#dry-run`, &text),
+		shot("rabbitmq-redrive-confirm"))
+	if !strings.Contains(text, "3 would be redriven") {
+		t.Fatalf("dry run: %q", text)
+	}
+	env.fixed.Store(true)
+	run("confirm", chromedp.Click(`button.danger`), chromedp.WaitVisible(`p.done`), chromedp.Text(`p.done`, &text))
+	if !strings.Contains(text, "redrove 3 of 3") {
+		t.Fatalf("after the confirmation: %q", text)
+	}
+	env.ranOnce("a", "c", "e")
+	env.settledIn(env.dlq, 2)
+	if ids, _ := env.deadLetterIDs(); !slices.Equal(slices.Sorted(slices.Values(ids)), []string{"b", "d"}) {
+		t.Errorf("left in the dead-letter queue: %v, want b and d", ids)
+	}
+	env.settledIn(env.dlq, 2)
+	ref := env.refOf(newOperator(t, "reader"), "b")
+	run("record",
+		chromedp.Navigate(env.base+"record?"+url.Values{"queue": {env.dlq}, "ref": {ref}}.Encode()),
+		chromedp.WaitVisible(`pre.value`), chromedp.Text(`main`, &text), shot("rabbitmq-dead-letter-record"))
+	if !strings.Contains(text, "boom") || !strings.Contains(text, "queue "+env.queue+", delivery") {
+		t.Errorf("record b: no value or no source queue:\n%s", text)
+	}
+	if logs := env.logs.String(); strings.Count(logs, "who=browser-operator") != 1 {
+		t.Errorf("want the redrive logged with the operator's name:\n%s", logs)
+	}
+}
