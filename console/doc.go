@@ -118,8 +118,9 @@
 //     100,000); later views of 10,000 take 2 to 5 ms, where reading the
 //     stream whole (natsconsumer.DeadLetters) takes about 80 ms.
 //   - A RabbitMQ queue is listed whole at each view: on the local
-//     RabbitMQ a page of a queue of 10,000 dead letters takes about 0.3 to
-//     0.7 s, as one rabbitconsumer listing does (the benchmark
+//     RabbitMQ a page of a queue of 10,000 dead letters takes 0.45 to
+//     0.85 s, 1.1 to 1.35 times one rabbitconsumer listing of it (the
+//     wait for the messages to be back, and the hashing, make the rest;
 //     BenchmarkConsoleRabbitPages measures both in each round).
 //   - The inbox is counted exactly up to 100,000 rows; above, its total
 //     is the planner's estimate (or, for a table never analyzed, a block

@@ -204,33 +204,9 @@ func browser(t *testing.T) (run func(what string, actions ...chromedp.Action), s
 func TestConsoleJetStreamInBrowser(t *testing.T) {
 	env := seedNATSConsole(t)
 	run, shot := browser(t)
-	var text string
-
-	run("overview", chromedp.Navigate(env.base), chromedp.WaitVisible(`#dlq-streams`), chromedp.Text(`#dlq-streams`, &text),
-		shot("jetstream-overview"))
-	if !strings.Contains(text, env.dlq) {
-		t.Errorf("overview shows no dead-letter stream:\n%s", text)
-	}
-	run("filter",
-		chromedp.Click(`#dlq-streams a`), chromedp.WaitVisible(`form.filter`),
-		chromedp.SetValue(`select[name="class"]`, "permanent"),
-		chromedp.SendKeys(`input[name="text"]`, "schema v1"),
-		chromedp.SendKeys(`input[name="source"]`, env.subject),
-		chromedp.Click(`form.filter button[type="submit"]`),
-		chromedp.WaitVisible(`//p[contains(., "3 dead letters match")]`),
-		shot("jetstream-dead-letters"))
-	run("dry run",
-		chromedp.Click(`button[name="all"]`), chromedp.WaitVisible(`#dry-run`), chromedp.Text(`#dry-run`, &text),
-		shot("jetstream-redrive-confirm"))
-	if !strings.Contains(text, "3 would be redriven") {
-		t.Fatalf("dry run: %q", text)
-	}
-	env.fixed.Store(true)
-	run("confirm", chromedp.Click(`button.danger`), chromedp.WaitVisible(`p.done`), chromedp.Text(`p.done`, &text))
-	if !strings.Contains(text, "redrove 3 of 3") {
-		t.Fatalf("after the confirmation: %q", text)
-	}
+	redriveInBrowser(t, run, shot, env.redriveRuns, "stream", env.dlq, env.subject, "jetstream")
 	env.ranOnce("a", "c", "e")
+	var text string
 	run("record",
 		chromedp.Navigate(env.base+"record?"+url.Values{"stream": {env.dlq}, "ref": {env.refs["a"]}}.Encode()),
 		chromedp.WaitVisible(`pre.value`), chromedp.Text(`main`, &text), shot("jetstream-dead-letter-record"))
@@ -250,32 +226,7 @@ func TestConsoleJetStreamInBrowser(t *testing.T) {
 func TestConsoleRabbitMQInBrowser(t *testing.T) {
 	env := seedRabbitConsole(t)
 	run, shot := browser(t)
-	var text string
-
-	run("overview", chromedp.Navigate(env.base), chromedp.WaitVisible(`#dlq-queues`), chromedp.Text(`#dlq-queues`, &text),
-		shot("rabbitmq-overview"))
-	if !strings.Contains(text, env.dlq) {
-		t.Errorf("overview shows no dead-letter queue:\n%s", text)
-	}
-	run("filter",
-		chromedp.Click(`#dlq-queues a`), chromedp.WaitVisible(`form.filter`),
-		chromedp.SetValue(`select[name="class"]`, "permanent"),
-		chromedp.SendKeys(`input[name="text"]`, "schema v1"),
-		chromedp.SendKeys(`input[name="source"]`, env.queue),
-		chromedp.Click(`form.filter button[type="submit"]`),
-		chromedp.WaitVisible(`//p[contains(., "3 dead letters match")]`),
-		shot("rabbitmq-dead-letters"))
-	run("dry run",
-		chromedp.Click(`button[name="all"]`), chromedp.WaitVisible(`#dry-run`), chromedp.Text(`#dry-run`, &text),
-		shot("rabbitmq-redrive-confirm"))
-	if !strings.Contains(text, "3 would be redriven") {
-		t.Fatalf("dry run: %q", text)
-	}
-	env.fixed.Store(true)
-	run("confirm", chromedp.Click(`button.danger`), chromedp.WaitVisible(`p.done`), chromedp.Text(`p.done`, &text))
-	if !strings.Contains(text, "redrove 3 of 3") {
-		t.Fatalf("after the confirmation: %q", text)
-	}
+	redriveInBrowser(t, run, shot, env.redriveRuns, "queue", env.dlq, env.queue, "rabbitmq")
 	env.ranOnce("a", "c", "e")
 	env.settledIn(env.dlq, 2)
 	if ids, _ := env.deadLetterIDs(); !slices.Equal(slices.Sorted(slices.Values(ids)), []string{"b", "d"}) {
@@ -283,6 +234,7 @@ func TestConsoleRabbitMQInBrowser(t *testing.T) {
 	}
 	env.settledIn(env.dlq, 2)
 	ref := env.refOf(newOperator(t, "reader"), "b")
+	var text string
 	run("record",
 		chromedp.Navigate(env.base+"record?"+url.Values{"queue": {env.dlq}, "ref": {ref}}.Encode()),
 		chromedp.WaitVisible(`pre.value`), chromedp.Text(`main`, &text), shot("rabbitmq-dead-letter-record"))
@@ -291,5 +243,41 @@ func TestConsoleRabbitMQInBrowser(t *testing.T) {
 	}
 	if logs := env.logs.String(); strings.Count(logs, "who=browser-operator") != 1 {
 		t.Errorf("want the redrive logged with the operator's name:\n%s", logs)
+	}
+}
+
+// redriveInBrowser drives the dead-letter pages of a broker's place (a
+// stream, a queue: noun) in the browser: the overview's table of them
+// shows place; the operator follows it, filters the permanent dead
+// letters of source with "schema v1" (3 of them), dry-runs a redrive of
+// every match, fixes r's handler and confirms. prefix names the
+// screenshots.
+func redriveInBrowser(t *testing.T, run func(string, ...chromedp.Action), shot func(string) chromedp.Action, r *redriveRuns,
+	noun, place, source, prefix string) {
+	t.Helper()
+	var text string
+	table := "#dlq-" + noun + "s"
+	run("overview", chromedp.Navigate(r.base), chromedp.WaitVisible(table), chromedp.Text(table, &text), shot(prefix+"-overview"))
+	if !strings.Contains(text, place) {
+		t.Errorf("overview shows no dead-letter %s:\n%s", noun, text)
+	}
+	run("filter",
+		chromedp.Click(table+" a"), chromedp.WaitVisible(`form.filter`),
+		chromedp.SetValue(`select[name="class"]`, "permanent"),
+		chromedp.SendKeys(`input[name="text"]`, "schema v1"),
+		chromedp.SendKeys(`input[name="source"]`, source),
+		chromedp.Click(`form.filter button[type="submit"]`),
+		chromedp.WaitVisible(`//p[contains(., "3 dead letters match")]`),
+		shot(prefix+"-dead-letters"))
+	run("dry run",
+		chromedp.Click(`button[name="all"]`), chromedp.WaitVisible(`#dry-run`), chromedp.Text(`#dry-run`, &text),
+		shot(prefix+"-redrive-confirm"))
+	if !strings.Contains(text, "3 would be redriven") {
+		t.Fatalf("dry run: %q", text)
+	}
+	r.fixed.Store(true)
+	run("confirm", chromedp.Click(`button.danger`), chromedp.WaitVisible(`p.done`), chromedp.Text(`p.done`, &text))
+	if !strings.Contains(text, "redrove 3 of 3") {
+		t.Fatalf("after the confirmation: %q", text)
 	}
 }

@@ -3,6 +3,7 @@ package integration_test
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"os"
 	"strconv"
 	"strings"
@@ -85,34 +86,48 @@ func BenchmarkConsoleJetStreamPages(b *testing.B) {
 	}
 	timedPage(b, h, "/dlq?stream="+stream) // the index read once: the pages below are views after it
 
-	pages := []struct {
-		name, path string
-		cold       bool // a console just started
-	}{
+	benchDeadLetterPages(b, "jetstream", "DeadLetters", nDead, []benchPage{
 		{"dlq-cold", "/dlq?stream=" + stream, true},
 		{"overview", "/", false},
 		{"dlq", "/dlq?stream=" + stream, false},
 		{"dlq-filtered", "/dlq?stream=" + stream + "&class=permanent&text=failure+7", false},
 		{"record", "/record?stream=" + stream + "&ref=0/" + strconv.Itoa(nDead/2), false},
 		{"dlq-confirm", "/dlq-confirm?all=1&class=permanent&stream=" + stream, false},
-	}
+	}, func(cold bool) http.Handler {
+		if !cold {
+			return h
+		}
+		ch, err := console.New(cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		return ch
+	}, list)
+}
+
+// benchPage is a page the dead-letter benchmarks render.
+type benchPage struct {
+	name, path string
+	cold       bool // in a console just started
+}
+
+// benchDeadLetterPages renders each of pages b.N times through the
+// handler handler gives (a new console for a cold page), each time beside
+// list, the broker's own reading of the dead letters (named baseline),
+// and reports both: page-ms/op and list-ms/op.
+func benchDeadLetterPages(b *testing.B, broker, baseline string, nDead int, pages []benchPage,
+	handler func(cold bool) http.Handler, list func() time.Duration) {
 	for _, p := range pages {
 		b.Run(p.name, func(b *testing.B) {
 			var pageTotal, listTotal time.Duration
 			round := 0
 			for b.Loop() {
 				round++
-				ch := h
-				if p.cold {
-					if ch, err = console.New(cfg); err != nil {
-						b.Fatal(err)
-					}
-				}
-				page := timedPage(b, ch, p.path)
+				page := timedPage(b, handler(p.cold), p.path)
 				l := list()
 				pageTotal, listTotal = pageTotal+page, listTotal+l
-				fmt.Fprintf(os.Stderr, "console jetstream bench: %-12s round %d: page %7.1f ms, DeadLetters %7.1f ms (%d dead letters)\n",
-					p.name, round, ms(page), ms(l), nDead)
+				fmt.Fprintf(os.Stderr, "console %s bench: %-12s round %d: page %7.1f ms, %s %7.1f ms (%d dead letters)\n",
+					broker, p.name, round, ms(page), baseline, ms(l), nDead)
 			}
 			b.ReportMetric(ms(pageTotal)/float64(b.N), "page-ms/op")
 			b.ReportMetric(ms(listTotal)/float64(b.N), "list-ms/op")

@@ -33,13 +33,64 @@ import (
 // Kafka; actions enabled).
 type natsConsoleEnv struct {
 	*natsEnv
+	*redriveRuns
 	payments string            // a second subject of the stream
 	refs     map[string]string // message id -> its dead letter's partition/offset (0/sequence)
-	fixed    atomic.Bool       // the handler accepts every message from now on
-	mu       sync.Mutex
-	runs     map[string]int // handler runs per message id once fixed
-	logs     *lockedBuffer
-	base     string // the console, under /ops/
+}
+
+// redriveRuns is what the console's dead-letter tests of a broker share:
+// a handler that dead-letters every message until fixed, then counts its
+// runs per message id; the console's log, and its address.
+type redriveRuns struct {
+	fixed atomic.Bool // the handler accepts every message from now on
+	mu    sync.Mutex
+	runs  map[string]int // handler runs per message id once fixed
+	logs  *lockedBuffer
+	base  string // the console, under /ops/
+}
+
+func newRedriveRuns() *redriveRuns {
+	return &redriveRuns{runs: map[string]int{}, logs: &lockedBuffer{}}
+}
+
+// handler rejects "boom" with a transient error and every other message
+// permanently ("rejected: schema v1") until fixed; then it counts each
+// run and writes the message's effect.
+func (r *redriveRuns) handler() consumer.Handler {
+	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if !r.fixed.Load() {
+			if string(msg.Value) == "boom" {
+				return errors.New("flaky downstream")
+			}
+			return dlq.Permanent(errors.New("rejected: schema v1"))
+		}
+		r.mu.Lock()
+		r.runs[msg.ID]++
+		r.mu.Unlock()
+		return sourceEffect("w")(ctx, tx, msg)
+	}
+}
+
+// ranOnce fails the test unless, since the handler was fixed, it ran once
+// for each of ids and for nothing else, and each has one effect in db;
+// settled waits for the consumer to have nothing left in flight.
+func (r *redriveRuns) ranOnce(db sourceDB, settled func(), ids ...string) {
+	db.t.Helper()
+	testenv.Eventually(db.t, 30*time.Second, "the redriven messages' effects", func() bool {
+		return db.count(`SELECT count(DISTINCT message_id) FROM effects`) >= int64(len(ids))
+	})
+	settled()
+	db.effects(int64(len(ids)))
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, id := range ids {
+		if r.runs[id] != 1 || db.count(`SELECT count(*) FROM effects WHERE message_id = $1`, id) != 1 {
+			db.t.Errorf("message %s: %d handler runs, want exactly 1 with one effect", id, r.runs[id])
+		}
+	}
+	if len(r.runs) != len(ids) {
+		db.t.Errorf("the handler ran for %v, want only %v", r.runs, ids)
+	}
 }
 
 // seedNATSConsole dead-letters, through a real natsconsumer that gives a
@@ -49,7 +100,7 @@ type natsConsoleEnv struct {
 // same error.
 func seedNATSConsole(t *testing.T) *natsConsoleEnv {
 	t.Helper()
-	env := &natsConsoleEnv{natsEnv: newNATSEnv(t), runs: map[string]int{}, logs: &lockedBuffer{}}
+	env := &natsConsoleEnv{natsEnv: newNATSEnv(t), redriveRuns: newRedriveRuns()}
 	env.payments = env.stream + ".payments"
 	for _, m := range []struct {
 		id, subject, key string
@@ -63,18 +114,7 @@ func seedNATSConsole(t *testing.T) *natsConsoleEnv {
 		}
 		env.publish(m.subject, string(m.data), h)
 	}
-	cfg := env.config(env.js, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-		if !env.fixed.Load() {
-			if string(msg.Value) == "boom" {
-				return errors.New("flaky downstream")
-			}
-			return dlq.Permanent(errors.New("rejected: schema v1"))
-		}
-		env.mu.Lock()
-		env.runs[msg.ID]++
-		env.mu.Unlock()
-		return sourceEffect("w")(ctx, tx, msg)
-	})
+	cfg := env.config(env.js, env.handler())
 	cfg.MaxAttempts = 2
 	_, _ = env.start(t.Context(), cfg)
 	env.deadLetters(6)
@@ -121,25 +161,10 @@ func (env *natsConsoleEnv) redriven() []string {
 	return ids
 }
 
-// ranOnce fails the test unless, since the handler was fixed, it ran once
-// for each of ids and for nothing else, and each has one effect.
+// ranOnce is redriveRuns.ranOnce on the stream's consumer.
 func (env *natsConsoleEnv) ranOnce(ids ...string) {
 	env.t.Helper()
-	testenv.Eventually(env.t, 30*time.Second, "the redriven messages' effects", func() bool {
-		return env.count(`SELECT count(DISTINCT message_id) FROM effects`) >= int64(len(ids))
-	})
-	env.settled()
-	env.effects(int64(len(ids)))
-	env.mu.Lock()
-	defer env.mu.Unlock()
-	for _, id := range ids {
-		if env.runs[id] != 1 || env.count(`SELECT count(*) FROM effects WHERE message_id = $1`, id) != 1 {
-			env.t.Errorf("message %s: %d handler runs, want exactly 1 with one effect", id, env.runs[id])
-		}
-	}
-	if len(env.runs) != len(ids) {
-		env.t.Errorf("the handler ran for %v, want only %v", env.runs, ids)
-	}
+	env.redriveRuns.ranOnce(env.sourceDB, env.settled, ids...)
 }
 
 var overviewRowRE = `<a href="dlq\?stream=%s">[^<]+</a></td>((?:<td class="n">\d+</td>)+)`

@@ -2,8 +2,7 @@ package integration_test
 
 import (
 	"context"
-	"fmt"
-	"os"
+	"net/http"
 	"strconv"
 	"strings"
 	"testing"
@@ -101,29 +100,18 @@ func BenchmarkConsoleRabbitPages(b *testing.B) {
 		}
 		return time.Since(t0)
 	}
-	pages := []struct{ name, path string }{
-		{"overview", "/"},
-		{"dlq", "/dlq?queue=" + queue},
-		{"dlq-filtered", "/dlq?queue=" + queue + "&class=permanent&text=failure+7"},
-		{"record", "/record?queue=" + queue + "&ref=0/" + strconv.Itoa(nDead/2)},
-		{"dlq-confirm", "/dlq-confirm?all=1&class=permanent&queue=" + queue},
-	}
-	for _, p := range pages {
-		b.Run(p.name, func(b *testing.B) {
-			var pageTotal, listTotal time.Duration
-			round := 0
-			for b.Loop() {
-				round++
-				page := timedPage(b, h, p.path)
-				ready()
-				l := list()
-				ready()
-				pageTotal, listTotal = pageTotal+page, listTotal+l
-				fmt.Fprintf(os.Stderr, "console rabbitmq bench: %-12s round %d: page %7.1f ms, listing %7.1f ms (%d dead letters)\n",
-					p.name, round, ms(page), ms(l), nDead)
-			}
-			b.ReportMetric(ms(pageTotal)/float64(b.N), "page-ms/op")
-			b.ReportMetric(ms(listTotal)/float64(b.N), "list-ms/op")
-		})
-	}
+	// Each listing, the console's or the baseline's, is followed by the
+	// wait for its messages to be back in the queue, not timed.
+	benchDeadLetterPages(b, "rabbitmq", "listing", nDead, []benchPage{
+		{"overview", "/", false},
+		{"dlq", "/dlq?queue=" + queue, false},
+		{"dlq-filtered", "/dlq?queue=" + queue + "&class=permanent&text=failure+7", false},
+		{"record", "/record?queue=" + queue + "&ref=0/" + strconv.Itoa(nDead/2), false},
+		{"dlq-confirm", "/dlq-confirm?all=1&class=permanent&queue=" + queue, false},
+	}, func(bool) http.Handler { ready(); return h }, func() time.Duration {
+		ready()
+		l := list()
+		ready()
+		return l
+	})
 }

@@ -1,8 +1,6 @@
 package integration_test
 
 import (
-	"context"
-	"errors"
 	"log/slog"
 	"net/http"
 	"net/url"
@@ -10,15 +8,10 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/oncely/oncely/console"
-	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/testenv"
 )
@@ -28,11 +21,7 @@ import (
 // (RabbitMQ only; actions enabled).
 type rabbitConsoleEnv struct {
 	*rabbitEnv
-	fixed atomic.Bool // the handler accepts every message from now on
-	mu    sync.Mutex
-	runs  map[string]int // handler runs per message id once fixed
-	logs  *lockedBuffer
-	base  string // the console, under /ops/
+	*redriveRuns
 }
 
 // seedRabbitConsole dead-letters, through a real rabbitconsumer that gives
@@ -41,23 +30,12 @@ type rabbitConsoleEnv struct {
 // downstream").
 func seedRabbitConsole(t *testing.T) *rabbitConsoleEnv {
 	t.Helper()
-	env := &rabbitConsoleEnv{rabbitEnv: newRabbitEnv(t), runs: map[string]int{}, logs: &lockedBuffer{}}
+	env := &rabbitConsoleEnv{rabbitEnv: newRabbitEnv(t), redriveRuns: newRedriveRuns()}
 	for _, m := range []struct{ id, body string }{{"a", `{"order":"a","amount":10}`}, {"b", "boom"},
 		{"c", string([]byte{0, 1, 2, 0xff})}, {"d", "boom"}, {"e", "bad"}} {
 		env.publish(env.queue, m.body, m.id, nil)
 	}
-	cfg := env.config(func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-		if !env.fixed.Load() {
-			if string(msg.Value) == "boom" {
-				return errors.New("flaky downstream")
-			}
-			return dlq.Permanent(errors.New("rejected: schema v1"))
-		}
-		env.mu.Lock()
-		env.runs[msg.ID]++
-		env.mu.Unlock()
-		return sourceEffect("w")(ctx, tx, msg)
-	})
+	cfg := env.config(env.handler())
 	cfg.MaxAttempts = 2
 	r := env.start(t.Context(), cfg)
 	testenv.Eventually(t, 30*time.Second, "five dead letters", func() bool { return r.c.Stats().DeadLettered == 5 })
@@ -82,25 +60,10 @@ func (env *rabbitConsoleEnv) refOf(op *operator, id string) string {
 	return m[0][1]
 }
 
-// ranOnce fails the test unless, since the handler was fixed, it ran once
-// for each of ids and for nothing else, and each has one effect.
+// ranOnce is redriveRuns.ranOnce on the queue's consumer.
 func (env *rabbitConsoleEnv) ranOnce(ids ...string) {
 	env.t.Helper()
-	testenv.Eventually(env.t, 30*time.Second, "the redriven messages' effects", func() bool {
-		return env.count(`SELECT count(DISTINCT message_id) FROM effects`) >= int64(len(ids))
-	})
-	env.settledIn(env.queue, 0)
-	env.effects(int64(len(ids)))
-	env.mu.Lock()
-	defer env.mu.Unlock()
-	for _, id := range ids {
-		if env.runs[id] != 1 || env.count(`SELECT count(*) FROM effects WHERE message_id = $1`, id) != 1 {
-			env.t.Errorf("message %s: %d handler runs, want exactly 1 with one effect", id, env.runs[id])
-		}
-	}
-	if len(env.runs) != len(ids) {
-		env.t.Errorf("the handler ran for %v, want only %v", env.runs, ids)
-	}
+	env.redriveRuns.ranOnce(env.sourceDB, func() { env.settledIn(env.queue, 0) }, ids...)
 }
 
 // The console on a RabbitMQ dead-letter queue, as on a Kafka topic: the
