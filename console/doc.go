@@ -119,7 +119,7 @@
 //     stream whole (natsconsumer.DeadLetters) takes about 80 ms.
 //   - A RabbitMQ queue is listed whole at each view: on the local
 //     RabbitMQ a page of a queue of 10,000 dead letters takes 0.45 to
-//     0.85 s, 1.1 to 1.35 times one rabbitconsumer listing of it (the
+//     0.85 s, about 1.0 to 1.4 times one rabbitconsumer listing of it (the
 //     wait for the messages to be back, and the hashing, make the rest;
 //     BenchmarkConsoleRabbitPages measures both in each round).
 //   - The inbox is counted exactly up to 100,000 rows; above, its total
