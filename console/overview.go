@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -298,7 +299,7 @@ type overviewData struct {
 	// DeadLetters are every source's places; AnyPlaces: one has a place.
 	DeadLetters []sourceCounts
 	AnyPlaces   bool
-	Every       string // what the buckets count: "topic", "topic and stream"
+	Every       string // what the buckets count: "topic", "topic, stream and queue"
 	Times       *deadLetterTimes
 	Classes     []dlq.Class
 	Outbox      outbox.Status
@@ -338,6 +339,7 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 		})
 	}
 	wg.Go(func() {
+		var nouns []string
 		for _, src := range s.sources() {
 			sc := sourceCounts{Kind: src.kind()}
 			places, err := src.places(ctx)
@@ -347,10 +349,11 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 			}
 			d.AnyPlaces = d.AnyPlaces || len(places) > 0
 			d.DeadLetters = append(d.DeadLetters, sc)
-			if d.Every != "" {
-				d.Every += " and "
-			}
-			d.Every += sc.Kind.Noun
+			nouns = append(nouns, sc.Kind.Noun)
+		}
+		d.Every = nouns[len(nouns)-1]
+		if len(nouns) > 1 {
+			d.Every = strings.Join(nouns[:len(nouns)-1], ", ") + " and " + d.Every
 		}
 		d.Times.Hours, d.Times.Days = nonEmpty(d.Times.Hours), nonEmpty(d.Times.Days)
 	})

@@ -78,8 +78,9 @@ const forgetAfter = 10 * time.Minute
 func newRabbitSource(url string, queues []string) *rabbitSource {
 	b := make([]byte, 8)
 	_, _ = rand.Read(b)
-	return &rabbitSource{url: url, queues: slices.Sorted(slices.Values(slices.Compact(slices.Sorted(slices.Values(queues))))),
-		epoch: hex.EncodeToString(b), qs: map[string]*rabbitQueue{}}
+	queues = slices.Clone(queues)
+	slices.Sort(queues)
+	return &rabbitSource{url: url, queues: slices.Compact(queues), epoch: hex.EncodeToString(b), qs: map[string]*rabbitQueue{}}
 }
 
 func (*rabbitSource) kind() sourceKind { return rabbitKind }

@@ -91,7 +91,7 @@ func TestConsoleRabbitDeadLetters(t *testing.T) {
 	}
 
 	over := op.get(env.base)
-	mustContain(t, "overview", over, `id="dlq-queues"`, "No Kafka configured.", "Nothing found not ready.")
+	mustContain(t, "overview", over, `id="dlq-queues"`, "No Kafka configured.", "Nothing found not ready.", "every queue)")
 	row := regexp.MustCompile(`<a href="dlq\?queue=` + regexp.QuoteMeta(env.dlq) + `">[^<]+</a></td>((?:<td class="n">\d+</td>)+)`).FindStringSubmatch(over)
 	if row == nil {
 		t.Fatalf("overview: no row of %s:\n%s", env.dlq, over)
