@@ -1,6 +1,7 @@
 package integration_test
 
 import (
+	"fmt"
 	"log/slog"
 	"net/http"
 	"net/url"
@@ -8,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -243,4 +245,62 @@ func TestConsoleRabbitReadOnly(t *testing.T) {
 	if _, err := console.New(console.Config{Pool: e.db.Pool, AMQPURL: "http://guest:s3cret@host/", DeadLetterQueues: []string{"q"}}); err == nil || strings.Contains(err.Error(), "s3cret") {
 		t.Errorf("a URL that is not AMQP: %v, want an error without the password", err)
 	}
+}
+
+// Confirmations of one dry run, sent at once, and views beside them: each
+// redriven dead letter runs exactly once, the confirmations together
+// redrive each once (a later one finds them gone: it redrives nothing, or
+// reports them no longer in the queue), and every view sees the queue
+// before or after a redrive, whole: never a listing's messages missing.
+func TestConsoleRabbitConcurrentConfirmations(t *testing.T) {
+	env := seedRabbitConsole(t)
+	op := newOperator(t, "carol")
+	confirmQ := url.Values{"queue": {env.dlq}, "class": {"max_attempts"}, "all": {"1"}}
+	confirm := op.get(env.base + "dlq-confirm?" + confirmQ.Encode())
+	mustContain(t, "confirm", confirm, "<strong>2</strong> would be redriven")
+	form := confirmForm(t, confirm)
+	env.fixed.Store(true)
+
+	const confirmations, viewers = 4, 4
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	redrove, seen := 0, map[string]int{}
+	for range confirmations {
+		wg.Go(func() {
+			code, body, hdr := op.post(env.base+"dlq-redrive", form, "")
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case code == http.StatusSeeOther:
+				loc, _ := url.Parse(hdr.Get("Location"))
+				var n int
+				if _, err := fmt.Sscanf(loc.Query().Get("done"), "redrove %d of", &n); err != nil {
+					t.Errorf("confirmation: %q", loc.Query().Get("done"))
+				}
+				redrove += n
+			case code == http.StatusInternalServerError && strings.Contains(body, "no longer in queue"):
+			default:
+				t.Errorf("confirmation: %d %s", code, body)
+			}
+		})
+	}
+	for range viewers {
+		wg.Go(func() {
+			for range 5 {
+				page := op.get(env.base + "dlq?" + url.Values{"queue": {env.dlq}}.Encode())
+				mu.Lock()
+				seen[matchRE.FindString(page)]++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	if redrove != 2 {
+		t.Errorf("the confirmations redrove %d dead letters in all, want 2", redrove)
+	}
+	if seen["5 dead letters match"]+seen["3 dead letters match"] != viewers*5 {
+		t.Errorf("views saw %v, want only 5 (before) or 3 (after)", seen)
+	}
+	env.ranOnce("b", "d")
+	env.settledIn(env.dlq, 3)
 }
