@@ -132,9 +132,9 @@ test-console-browser:
 
 ## bench-console: every console page rendered on 1,000,000 inbox rows, 100,000 outbox rows and
 ## 100,000 dead letters, beside the same queries' raw time, and the dead-letter pages of a
-## JetStream stream of 10,000 (ONCELY_CONSOLE_BENCH_SCALE scales them)
+## JetStream stream and a RabbitMQ queue of 10,000 (ONCELY_CONSOLE_BENCH_SCALE scales them)
 bench-console:
-	$(GO) test -run '^$$' -bench 'BenchmarkConsole(Pages|JetStreamPages)' -benchtime 3x -count 1 -timeout 20m ./integration_test/
+	$(GO) test -run '^$$' -bench 'BenchmarkConsole(Pages|JetStreamPages|RabbitPages)' -benchtime 3x -count 1 -timeout 20m ./integration_test/
 
 ## console-screenshots: the same test, saving a PNG of each page into docs/console/
 console-screenshots:

@@ -118,10 +118,10 @@
 //     100,000); later views of 10,000 take 2 to 5 ms, where reading the
 //     stream whole (natsconsumer.DeadLetters) takes about 80 ms.
 //   - A RabbitMQ queue is listed whole at each view: on the local
-//     RabbitMQ a page of a queue of 10,000 dead letters takes 0.45 to
-//     0.85 s, about 1.0 to 1.4 times one rabbitconsumer listing of it (the
-//     wait for the messages to be back, and the hashing, make the rest;
-//     BenchmarkConsoleRabbitPages measures both in each round).
+//     RabbitMQ a page of a queue of 10,000 dead letters takes 0.35 to
+//     1.1 s, on average 1.0 to 1.45 times one rabbitconsumer listing of it
+//     (the wait for the messages to be back, and the hashing, make the
+//     rest; BenchmarkConsoleRabbitPages measures both in each round).
 //   - The inbox is counted exactly up to 100,000 rows; above, its total
 //     is the planner's estimate (or, for a table never analyzed, a block
 //     sample's rows scaled by its share of the pages: within about 5 %),
