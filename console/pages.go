@@ -535,7 +535,7 @@ func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.V
 	if err != nil {
 		return "", nil, "", nil, err
 	}
-	entries, src, err := s.list(ctx, q, refs)
+	src, err := s.source(q.Where())
 	if err != nil {
 		return "", nil, "", nil, err
 	}
@@ -543,6 +543,10 @@ func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.V
 		// Offsets numbered by another console process (or before a
 		// restart) name other messages here.
 		return "", nil, "", nil, badRequest{fmt.Sprintf("the records of %s were numbered by another console process, or before this one restarted: run the dry run again", q.place())}
+	}
+	entries, _, err := s.list(ctx, q, refs)
+	if err != nil {
+		return "", nil, "", nil, err
 	}
 	if f.Has("upto") {
 		kept := entries[:0]
