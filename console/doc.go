@@ -54,7 +54,10 @@
 // closed; the console closes it before the request ends, then waits
 // (at most 2 s) until RabbitMQ has requeued them, so that the next listing
 // sees them all. No listing is kept between requests, and Console.Run does
-// not read the queues. A listing's positions shift as messages leave the
+// not read the queues. Views in one console process wait for each other's
+// listings; a listing by another reader (another console process, `oncely
+// dlq --queue`) hides its messages from a view meanwhile, which then waits
+// rabbitconsumer.ListIdleTimeout for them and shows the others. A listing's positions shift as messages leave the
 // queue, so the console numbers the dead letters itself: a message keeps
 // the number the first listing that showed it gave it, recognised by a
 // hash of its body and headers (its group, dedup id, source queue and
