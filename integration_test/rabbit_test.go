@@ -728,6 +728,7 @@ const (
 	rabbitDieAfterDeadLetter = "after-dead-letter" // AfterDeadLetter: the handler's error is permanent
 	rabbitDieInHandler       = "in-handler"        // the handler exits: nothing finishes
 	rabbitDieAfterRetryCopy  = "after-retry-copy"  // AfterRetryCopy: the handler fails, its copy is stored, the original not acknowledged
+	rabbitDieAfterBatch      = "after-batch"       // AfterCommit in batch mode: a batch committed, none of it acknowledged
 )
 
 // TestRabbitChildWorker is the child process's body; it is skipped in an
@@ -755,9 +756,13 @@ func TestRabbitChildWorker(t *testing.T) {
 	die := func(*kgo.Record) error { os.Exit(rabbitExitCode); return nil }
 	hooks := &testhook.Consumer{}
 	handler := sourceEffect("child")
+	batchSize := 1
 	switch f[4] {
 	case rabbitDieAfterCommit:
 		hooks.AfterCommit = die
+	case rabbitDieAfterBatch:
+		hooks.AfterCommit = die
+		batchSize = 10
 	case rabbitDieAfterDeadLetter:
 		hooks.AfterDeadLetter = die
 		handler = func(context.Context, pgx.Tx, *consumer.Message) error { return dlq.Permanent(errors.New("refused")) }
@@ -770,7 +775,7 @@ func TestRabbitChildWorker(t *testing.T) {
 		}
 	}
 	c, err := rabbitconsumer.New(rabbitconsumer.Config{URL: rabbitURL, Queues: []string{f[2]}, Group: "workers",
-		Pool: pool, Schema: f[1], Handler: handler, MaxAttempts: maxAttempts})
+		Pool: pool, Schema: f[1], Handler: handler, MaxAttempts: maxAttempts, BatchSize: batchSize})
 	if err != nil {
 		t.Fatal(err)
 	}
