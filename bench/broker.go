@@ -1,11 +1,15 @@
 package main
 
 import (
+	"cmp"
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"runtime/pprof"
 	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -25,6 +29,70 @@ const (
 )
 
 var brokerModes = []string{modeHand, modePerRecord, modeBatch, modeBatchRecs}
+
+// brokerOptions are the flags that every broker benchmark takes.
+type brokerOptions struct {
+	dbURL       string
+	n, batchN   int
+	rounds      int
+	concurrency int
+	batchSize   int
+	timeout     time.Duration
+	modes       string
+	cpuProfile  string
+}
+
+// register defines the flags on fs; pkg names the oncely consumer package.
+func (o *brokerOptions) register(fs *flag.FlagSet, pkg string) {
+	fs.StringVar(&o.dbURL, "database-url", cmp.Or(os.Getenv("DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres to measure against (a fresh schema, dropped afterwards)")
+	fs.IntVar(&o.n, "n", 10_000, "messages per round of the hand-written and per-message modes")
+	fs.IntVar(&o.batchN, "batch-n", 50_000, "messages per round of the batch modes (a run long enough that the start-up's round trips do not count)")
+	fs.IntVar(&o.rounds, "rounds", 5, "rounds; the table shows medians, the targets the median of each round's ratio")
+	fs.IntVar(&o.concurrency, "concurrency", 4, "transactions in flight, in every mode (goroutines of the hand-written consumer; Config.Concurrency of "+pkg+") and the pool's size")
+	fs.IntVar(&o.batchSize, "batch-size", 200, pkg+" Config.BatchSize of batch mode")
+	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one mode in one round")
+	fs.StringVar(&o.modes, "modes", strings.Join(brokerModes, ","), "modes to run, comma-separated (the ratios need all four)")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
+}
+
+// start checks the options and starts the CPU profile, if asked for;
+// stop ends it. modes are the modes to run.
+func (o *brokerOptions) start(command string) (modes []string, stop func(), err error) {
+	if o.n <= 0 || o.batchN <= 0 || o.rounds <= 0 || o.concurrency <= 0 || o.batchSize <= 1 {
+		return nil, nil, fmt.Errorf("%s: -n, -batch-n, -rounds and -concurrency must be positive, -batch-size above 1", command)
+	}
+	modes = strings.Split(o.modes, ",")
+	for _, m := range modes {
+		if !slices.Contains(brokerModes, m) {
+			return nil, nil, fmt.Errorf("%s: unknown mode %q (%s)", command, m, brokerModes)
+		}
+	}
+	if o.cpuProfile == "" {
+		return modes, func() {}, nil
+	}
+	f, err := os.Create(o.cpuProfile)
+	if err == nil {
+		err = pprof.StartCPUProfile(f)
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: cpu profile: %w", command, err)
+	}
+	return modes, pprof.StopCPUProfile, nil
+}
+
+// label is mode's name in the report; hand names the hand-written
+// consumer's settings.
+func (o *brokerOptions) label(mode, hand string) string {
+	switch mode {
+	case modeHand:
+		return "hand-written (" + hand + ")"
+	case modePerRecord:
+		return "oncely per-message"
+	case modeBatch:
+		return fmt.Sprintf("oncely batch %d, BatchHandler", o.batchSize)
+	}
+	return fmt.Sprintf("oncely batch %d, Handler per message", o.batchSize)
+}
 
 // brokerRound is one mode's result in one round.
 type brokerRound struct {
@@ -121,31 +189,6 @@ func (b *brokerBench) runRounds(ctx context.Context) error {
 	return nil
 }
 
-// checkModes fails unless every mode of the comma-separated list is known.
-func checkModes(command string, modes []string) error {
-	for _, m := range modes {
-		if !slices.Contains(brokerModes, m) {
-			return fmt.Errorf("%s: unknown mode %q (%s)", command, m, brokerModes)
-		}
-	}
-	return nil
-}
-
-// startCPUProfile profiles the whole run into path, if set; stop ends it.
-func startCPUProfile(command, path string) (stop func(), err error) {
-	if path == "" {
-		return func() {}, nil
-	}
-	f, err := os.Create(path)
-	if err == nil {
-		err = pprof.StartCPUProfile(f)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("%s: cpu profile: %w", command, err)
-	}
-	return pprof.StopCPUProfile, nil
-}
-
 // brokerDB creates a fresh schema named after prefix, migrated, with the
 // effects table, and a pool of conns connections whose search_path is it;
 // drop drops the schema and closes the pool.
@@ -215,11 +258,23 @@ func handEffect(ctx context.Context, pool *pgxpool.Pool, id, topic string, seq i
 	})
 }
 
-// timeRound waits until done reports n messages processed, and returns
-// the round's figures from start and cpu0 (selfCPU at start); it fails
-// when errc (the consumer's Run) reports first, or ctx ends. stop stops the
-// consumer, whose error errc then reports.
-func timeRound(ctx context.Context, n int, start time.Time, cpu0 time.Duration, done func() int64, errc <-chan error, stop func()) (brokerRound, error) {
+// timeMode starts a consumer with begin, which returns its count of
+// messages processed and its Run, and times it until that count reaches n;
+// then it stops the consumer. It fails when Run returns first, or timeout
+// passes.
+func timeMode(ctx context.Context, timeout time.Duration, n int,
+	begin func() (done func() int64, run func(context.Context) error, err error)) (brokerRound, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	start, cpu0 := time.Now(), selfCPU()
+	done, run, err := begin()
+	if err != nil {
+		return brokerRound{}, err
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- run(runCtx) }()
 	tick := time.NewTicker(time.Millisecond)
 	defer tick.Stop()
 	for done() < int64(n) {
@@ -227,7 +282,7 @@ func timeRound(ctx context.Context, n int, start time.Time, cpu0 time.Duration, 
 		case err := <-errc:
 			return brokerRound{}, fmt.Errorf("stopped after %d messages: %v", done(), err)
 		case <-ctx.Done():
-			return brokerRound{}, fmt.Errorf("%d of %d messages: %w", done(), n, ctx.Err())
+			return brokerRound{}, fmt.Errorf("%d of %d messages in %s", done(), n, timeout)
 		case <-tick.C:
 		}
 	}
@@ -237,4 +292,21 @@ func timeRound(ctx context.Context, n int, start time.Time, cpu0 time.Duration, 
 		return brokerRound{}, err
 	}
 	return brokerRound{rate: float64(n) / elapsed.Seconds(), elapsed: elapsed, cpu: cpu / time.Duration(n)}, nil
+}
+
+// runWorkers runs work in n goroutines until each returns, and returns the
+// first error of one of them, if any.
+func runWorkers(n int, work func() error) error {
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for range n {
+		wg.Go(func() {
+			if err := work(); err != nil {
+				errs <- err
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs // nil when none failed
 }

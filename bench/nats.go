@@ -9,7 +9,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -27,23 +26,10 @@ import (
 const natsCommand = "nats"
 
 type natsOptions struct {
-	dbURL, natsURL string
-	n, batchN      int
-	rounds         int
-	concurrency    int
-	batchSize      int
-	handFetch      int
-	storage        string
-	timeout        time.Duration
-	modes          string
-	cpuProfile     string
-}
-
-// natsRound is one mode's result in one round.
-type natsRound struct {
-	rate    float64       // messages/s
-	elapsed time.Duration // from the consumer's start to the last message's commit
-	cpu     time.Duration // this process's CPU time per message
+	brokerOptions
+	natsURL   string
+	handFetch int
+	storage   string
 }
 
 // runNATS measures, in one run and on one workload, a hand-written
@@ -55,30 +41,18 @@ type natsRound struct {
 func runNATS(args []string) error {
 	var o natsOptions
 	fs := flag.NewFlagSet(natsCommand, flag.ExitOnError)
-	fs.StringVar(&o.dbURL, "database-url", cmp.Or(os.Getenv("DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres to measure against (a fresh schema, dropped afterwards)")
 	fs.StringVar(&o.natsURL, "nats-url", cmp.Or(os.Getenv("NATS_URL"), nats.DefaultURL), "NATS server with JetStream (a fresh stream per mode and round, deleted afterwards)")
-	fs.IntVar(&o.n, "n", 10_000, "messages per round of the hand-written and per-message modes")
-	fs.IntVar(&o.batchN, "batch-n", 50_000, "messages per round of the batch modes (a run long enough that the start-up's round trips do not count)")
-	fs.IntVar(&o.rounds, "rounds", 5, "rounds; the table shows medians, the targets the median of each round's ratio")
-	fs.IntVar(&o.concurrency, "concurrency", 4, "transactions in flight, in every mode (goroutines of the hand-written consumer; Config.Concurrency of natsconsumer) and the pool's size")
-	fs.IntVar(&o.batchSize, "batch-size", 200, "natsconsumer Config.BatchSize of batch mode")
 	fs.IntVar(&o.handFetch, "hand-fetch", 100, "messages per Fetch of the hand-written consumer")
 	fs.StringVar(&o.storage, "storage", "file", "the streams' storage: file or memory")
-	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one mode in one round")
-	fs.StringVar(&o.modes, "modes", strings.Join(brokerModes, ","), "modes to run, comma-separated (the ratios need all four)")
-	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
+	o.register(fs, "natsconsumer")
 	_ = fs.Parse(args)
-	stopProfile, err := startCPUProfile(natsCommand, o.cpuProfile)
+	modes, stopProfile, err := o.start(natsCommand)
 	if err != nil {
 		return err
 	}
 	defer stopProfile()
-	modes := strings.Split(o.modes, ",")
-	if err := checkModes(natsCommand, modes); err != nil {
-		return err
-	}
-	if o.n <= 0 || o.batchN <= 0 || o.rounds <= 0 || o.concurrency <= 0 || o.batchSize <= 1 || o.handFetch <= 0 {
-		return errors.New("nats: -n, -rounds, -concurrency and -hand-fetch must be positive, -batch-size above 1")
+	if o.handFetch <= 0 {
+		return errors.New("nats: -hand-fetch must be positive")
 	}
 	storage := jetstream.FileStorage
 	switch o.storage {
@@ -108,7 +82,7 @@ func runNATS(args []string) error {
 	fmt.Printf("JetStream benchmark: %d messages a round (%d in the batch modes, %s storage), %d transactions in flight, batch size %d, hand-written Fetch %d, %d rounds, load average %s\n",
 		o.n, o.batchN, o.storage, o.concurrency, o.batchSize, o.handFetch, o.rounds, runenv.LoadAverage())
 	b := &brokerBench{n: o.n, batchN: o.batchN, rounds: o.rounds, modes: modes, pool: pool,
-		label: func(m string) string { return natsLabel(m, o) },
+		label: func(m string) string { return o.label(m, fmt.Sprintf("Fetch %d", o.handFetch)) },
 		run: func(ctx context.Context, m string, n int) (brokerRound, error) {
 			stream := strings.ToUpper(uniqueName("BENCH"))
 			if err := natsPublish(ctx, js, stream, storage, n); err != nil {
@@ -121,18 +95,6 @@ func runNATS(args []string) error {
 			return res, err
 		}}
 	return b.runRounds(ctx)
-}
-
-func natsLabel(m string, o natsOptions) string {
-	switch m {
-	case modeHand:
-		return fmt.Sprintf("hand-written (Fetch %d)", o.handFetch)
-	case modePerRecord:
-		return "oncely per-message"
-	case modeBatch:
-		return fmt.Sprintf("oncely batch %d, BatchHandler", o.batchSize)
-	}
-	return fmt.Sprintf("oncely batch %d, Handler per message", o.batchSize)
 }
 
 // natsPublish creates stream (subject <stream>.orders) and stores n
@@ -178,19 +140,11 @@ func natsPublish(ctx context.Context, js jetstream.JetStream, stream string, sto
 
 // natsMode consumes the stream's n messages with mode m and times it.
 func natsMode(ctx context.Context, m string, js jetstream.JetStream, stream string, pool *pgxpool.Pool, schema string, n int, o natsOptions) (brokerRound, error) {
-	ctx, cancel := context.WithTimeout(ctx, o.timeout)
-	defer cancel()
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	var done func() int64
-	errc := make(chan error, 1)
-	start, cpu0 := time.Now(), selfCPU()
-	switch m {
-	case modeHand:
-		h := &natsHandConsumer{js: js, stream: stream, pool: pool, fetch: o.handFetch, workers: o.concurrency}
-		done = h.processed.Load
-		go func() { errc <- h.run(runCtx) }()
-	default:
+	return timeMode(ctx, o.timeout, n, func() (func() int64, func(context.Context) error, error) {
+		if m == modeHand {
+			h := &natsHandConsumer{js: js, stream: stream, pool: pool, fetch: o.handFetch, workers: o.concurrency}
+			return h.processed.Load, h.run, nil
+		}
 		cfg := natsconsumer.Config{JetStream: js, Stream: stream, Durable: benchGroup, Pool: pool, Schema: schema,
 			Handler: benchEffect, Concurrency: o.concurrency}
 		switch m {
@@ -201,12 +155,10 @@ func natsMode(ctx context.Context, m string, js jetstream.JetStream, stream stri
 		}
 		c, err := natsconsumer.New(cfg)
 		if err != nil {
-			return brokerRound{}, err
+			return nil, nil, err
 		}
-		done = func() int64 { return c.Stats().Processed }
-		go func() { errc <- c.Run(runCtx) }()
-	}
-	return timeRound(ctx, n, start, cpu0, done, errc, stop)
+		return func() int64 { return c.Stats().Processed }, c.Run, nil
+	})
 }
 
 // natsHandConsumer is the hand-written baseline: jetstream's pull Fetch and
@@ -230,30 +182,23 @@ func (h *natsHandConsumer) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	var wg sync.WaitGroup
-	errs := make(chan error, h.workers)
-	for range h.workers {
-		wg.Go(func() {
-			for ctx.Err() == nil {
-				batch, err := cons.Fetch(h.fetch, jetstream.FetchMaxWait(time.Second))
-				if err != nil {
-					errs <- err
-					return
-				}
-				for msg := range batch.Messages() {
-					if err := h.message(ctx, msg); err != nil {
-						if ctx.Err() == nil {
-							errs <- err
-						}
-						return
+	return runWorkers(h.workers, func() error {
+		for ctx.Err() == nil {
+			batch, err := cons.Fetch(h.fetch, jetstream.FetchMaxWait(time.Second))
+			if err != nil {
+				return err
+			}
+			for msg := range batch.Messages() {
+				if err := h.message(ctx, msg); err != nil {
+					if ctx.Err() != nil {
+						return nil // stopped
 					}
+					return err
 				}
 			}
-		})
-	}
-	wg.Wait()
-	close(errs)
-	return <-errs // nil when none failed
+		}
+		return nil
+	})
 }
 
 func (h *natsHandConsumer) message(ctx context.Context, msg jetstream.Msg) error {

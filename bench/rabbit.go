@@ -8,8 +8,6 @@ import (
 	"fmt"
 	"os"
 	"strconv"
-	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -26,15 +24,9 @@ import (
 const rabbitCommand = "rabbit"
 
 type rabbitOptions struct {
-	dbURL, amqpURL string
-	n, batchN      int
-	rounds         int
-	concurrency    int
-	prefetch       int
-	batchSize      int
-	timeout        time.Duration
-	modes          string
-	cpuProfile     string
+	brokerOptions
+	amqpURL  string
+	prefetch int
 }
 
 // runRabbit measures, in one run and on one workload, a hand-written
@@ -46,29 +38,17 @@ type rabbitOptions struct {
 func runRabbit(args []string) error {
 	var o rabbitOptions
 	fs := flag.NewFlagSet(rabbitCommand, flag.ExitOnError)
-	fs.StringVar(&o.dbURL, "database-url", cmp.Or(os.Getenv("DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"), "Postgres to measure against (a fresh schema, dropped afterwards)")
 	fs.StringVar(&o.amqpURL, "amqp-url", cmp.Or(os.Getenv("AMQP_URL"), "amqp://guest:guest@127.0.0.1:5672/"), "RabbitMQ (a fresh quorum queue per mode and round, deleted afterwards)")
-	fs.IntVar(&o.n, "n", 10_000, "messages per round of the hand-written and per-message modes")
-	fs.IntVar(&o.batchN, "batch-n", 50_000, "messages per round of the batch modes (a run long enough that the start-up's round trips do not count)")
-	fs.IntVar(&o.rounds, "rounds", 5, "rounds; the table shows medians, the targets the median of each round's ratio")
-	fs.IntVar(&o.concurrency, "concurrency", 4, "transactions in flight, in every mode (goroutines of the hand-written consumer; Config.Concurrency of rabbitconsumer) and the pool's size")
 	fs.IntVar(&o.prefetch, "prefetch", 16, "basic.qos prefetch of the hand-written consumer and of rabbitconsumer per message (batch mode: Concurrency x BatchSize)")
-	fs.IntVar(&o.batchSize, "batch-size", 200, "rabbitconsumer Config.BatchSize of batch mode")
-	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one mode in one round")
-	fs.StringVar(&o.modes, "modes", strings.Join(brokerModes, ","), "modes to run, comma-separated (the ratios need all four)")
-	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
+	o.register(fs, "rabbitconsumer")
 	_ = fs.Parse(args)
-	stopProfile, err := startCPUProfile(rabbitCommand, o.cpuProfile)
+	modes, stopProfile, err := o.start(rabbitCommand)
 	if err != nil {
 		return err
 	}
 	defer stopProfile()
-	modes := strings.Split(o.modes, ",")
-	if err := checkModes(rabbitCommand, modes); err != nil {
-		return err
-	}
-	if o.n <= 0 || o.batchN <= 0 || o.rounds <= 0 || o.concurrency <= 0 || o.prefetch < o.concurrency || o.batchSize <= 1 {
-		return errors.New("rabbit: -n, -rounds and -concurrency must be positive, -prefetch at least -concurrency, -batch-size above 1")
+	if o.prefetch < o.concurrency {
+		return errors.New("rabbit: -prefetch must be at least -concurrency")
 	}
 	ctx := context.Background()
 	conn, err := amqp.Dial(o.amqpURL)
@@ -85,7 +65,7 @@ func runRabbit(args []string) error {
 	fmt.Printf("RabbitMQ benchmark: %d messages a round (%d in the batch modes), quorum queues, persistent messages, %d transactions in flight, prefetch %d (batch mode %d), batch size %d, %d rounds, load average %s\n",
 		o.n, o.batchN, o.concurrency, o.prefetch, o.concurrency*o.batchSize, o.batchSize, o.rounds, runenv.LoadAverage())
 	b := &brokerBench{n: o.n, batchN: o.batchN, rounds: o.rounds, modes: modes, pool: pool,
-		label: func(m string) string { return rabbitLabel(m, o) },
+		label: func(m string) string { return o.label(m, fmt.Sprintf("prefetch %d", o.prefetch)) },
 		run: func(ctx context.Context, m string, n int) (brokerRound, error) {
 			queue := uniqueName("oncely-bench")
 			queues := []string{queue, rabbitconsumer.DefaultDeadLetterRoutingKey(queue), rabbitconsumer.DefaultRetryQueue(queue)}
@@ -105,18 +85,6 @@ func runRabbit(args []string) error {
 			return rabbitMode(ctx, m, queue, pool, schema, n, o)
 		}}
 	return b.runRounds(ctx)
-}
-
-func rabbitLabel(m string, o rabbitOptions) string {
-	switch m {
-	case modeHand:
-		return fmt.Sprintf("hand-written (prefetch %d)", o.prefetch)
-	case modePerRecord:
-		return "oncely per-message"
-	case modeBatch:
-		return fmt.Sprintf("oncely batch %d, BatchHandler", o.batchSize)
-	}
-	return fmt.Sprintf("oncely batch %d, Handler per message", o.batchSize)
 }
 
 // rabbitPublish declares queues (the first the one consumed, the second
@@ -167,35 +135,25 @@ func rabbitPublish(ctx context.Context, conn *amqp.Connection, queues []string, 
 
 // rabbitMode consumes the queue's n messages with mode m and times it.
 func rabbitMode(ctx context.Context, m, queue string, pool *pgxpool.Pool, schema string, n int, o rabbitOptions) (brokerRound, error) {
-	ctx, cancel := context.WithTimeout(ctx, o.timeout)
-	defer cancel()
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	var done func() int64
-	errc := make(chan error, 1)
-	start, cpu0 := time.Now(), selfCPU()
-	switch m {
-	case modeHand:
-		h := &rabbitHandConsumer{url: o.amqpURL, queue: queue, pool: pool, prefetch: o.prefetch, workers: o.concurrency}
-		done = h.processed.Load
-		go func() { errc <- h.run(runCtx) }()
-	default:
+	return timeMode(ctx, o.timeout, n, func() (func() int64, func(context.Context) error, error) {
+		if m == modeHand {
+			h := &rabbitHandConsumer{url: o.amqpURL, queue: queue, pool: pool, prefetch: o.prefetch, workers: o.concurrency}
+			return h.processed.Load, h.run, nil
+		}
 		cfg := rabbitconsumer.Config{URL: o.amqpURL, Queues: []string{queue}, Group: benchGroup, Pool: pool, Schema: schema,
 			Handler: benchEffect, Concurrency: o.concurrency, Prefetch: o.prefetch}
 		switch m {
-		case modeBatch:
+		case modeBatch: // Prefetch: the default, Concurrency x BatchSize
 			cfg.Handler, cfg.BatchSize, cfg.BatchHandler, cfg.Prefetch = nil, o.batchSize, benchBatchEffect, 0
 		case modeBatchRecs:
 			cfg.BatchSize, cfg.Prefetch = o.batchSize, 0
 		}
 		c, err := rabbitconsumer.New(cfg)
 		if err != nil {
-			return brokerRound{}, err
+			return nil, nil, err
 		}
-		done = func() int64 { return c.Stats().Processed }
-		go func() { errc <- c.Run(runCtx) }()
-	}
-	return timeRound(ctx, n, start, cpu0, done, errc, stop)
+		return func() int64 { return c.Stats().Processed }, c.Run, nil
+	})
 }
 
 // rabbitHandConsumer is the hand-written baseline: amqp091-go and pgx,
@@ -228,34 +186,26 @@ func (h *rabbitHandConsumer) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	var wg sync.WaitGroup
-	errs := make(chan error, h.workers)
-	for range h.workers {
-		wg.Go(func() {
-			for {
-				select {
-				case <-ctx.Done():
-					return
-				case d, ok := <-deliveries:
-					if !ok {
-						return
+	return runWorkers(h.workers, func() error {
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case d, ok := <-deliveries:
+				if !ok {
+					return errors.New("the channel closed")
+				}
+				if err := handEffect(ctx, h.pool, d.MessageId, h.queue, int64(d.DeliveryTag)); err != nil {
+					if ctx.Err() != nil {
+						return nil // stopped
 					}
-					if err := handEffect(ctx, h.pool, d.MessageId, h.queue, int64(d.DeliveryTag)); err != nil {
-						if ctx.Err() == nil {
-							errs <- err
-						}
-						return
-					}
-					h.processed.Add(1)
-					if err := d.Ack(false); err != nil {
-						errs <- err
-						return
-					}
+					return err
+				}
+				h.processed.Add(1)
+				if err := d.Ack(false); err != nil {
+					return err
 				}
 			}
-		})
-	}
-	wg.Wait()
-	close(errs)
-	return <-errs // nil when none failed
+		}
+	})
 }
