@@ -531,20 +531,14 @@ func (r *run) session(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("rabbitconsumer: consume queue %q: %w", q, err)
 		}
+		if c.cfg.BatchSize == 1 {
+			s.consumeEach(q, deliveries, cancelled)
+			continue
+		}
 		consumers.Add(1)
 		go func() {
 			defer consumers.Done()
-			if c.cfg.BatchSize > 1 {
-				s.consumeBatches(q, deliveries)
-			} else {
-				for d := range deliveries {
-					r.wg.Add(1)
-					go func() {
-						defer r.wg.Done()
-						s.handle(q, d)
-					}()
-				}
-			}
+			s.consumeBatches(q, deliveries)
 			cancelled <- q
 		}()
 	}
@@ -671,6 +665,27 @@ func (s *session) handle(queue string, d amqp.Delivery) {
 	ctx := consumer.WithSpanAttributes(r.workCtx, telemetry.MessagingRabbitMQRoutingKey.String(d.RoutingKey),
 		telemetry.MessagingRabbitMQDeliveryTag.Int64(int64(d.DeliveryTag)))
 	r.c.path.Deliver(ctx, src.rec, src)
+}
+
+// consumeEach runs queue's deliveries one at a time in each of Concurrency
+// workers, which take them from the client as they finish the one before,
+// until the deliveries end; then the last worker reports queue on
+// cancelled. The workers are among the messages in progress (run.wg): a
+// graceful stop waits for them, bounded by ShutdownTimeout.
+func (s *session) consumeEach(queue string, deliveries <-chan amqp.Delivery, cancelled chan<- string) {
+	r := s.r
+	var left atomic.Int32
+	left.Store(int32(r.c.cfg.Concurrency))
+	for range r.c.cfg.Concurrency {
+		r.wg.Go(func() {
+			for d := range deliveries {
+				s.handle(queue, d)
+			}
+			if left.Add(-1) == 0 {
+				cancelled <- queue
+			}
+		})
+	}
 }
 
 // source is d, delivered from queue on this session's channel, as a
