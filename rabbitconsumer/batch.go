@@ -130,7 +130,7 @@ func (b *batchAcks) flush() {
 // a channel whose deliveries are recorded in tag order (one consumer,
 // read by one goroutine) can be tracked.
 type acker struct {
-	ch      *amqp.Channel
+	ch      acknowledger
 	tracked bool
 
 	mu      sync.Mutex
@@ -175,8 +175,13 @@ func (a *acker) ack(tags ...uint64) error {
 	return ackEach(a.ch, tags)
 }
 
+// acknowledger sends basic.ack: an *amqp.Channel.
+type acknowledger interface {
+	Ack(tag uint64, multiple bool) error
+}
+
 // ackEach acknowledges each of tags on ch.
-func ackEach(ch *amqp.Channel, tags []uint64) error {
+func ackEach(ch acknowledger, tags []uint64) error {
 	for _, t := range tags {
 		if err := ch.Ack(t, false); err != nil {
 			return err
