@@ -60,8 +60,17 @@ func TestJetStreamSource(t *testing.T) {
 
 func TestRabbitMQSource(t *testing.T) {
 	t.Parallel()
-	topic, events := testTopics()
-	testSource(t, rabbitUnderTest(t, topic, events), topic, events)
+	for name, extra := range map[string][]string{
+		"batch handler":  nil,
+		"record handler": {"--handler", "record"},
+		"per record":     {"--batch-size", "1"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			topic, events := testTopics()
+			testSource(t, rabbitUnderTest(t, topic, events), topic, events, extra...)
+		})
+	}
 }
 
 // testTopics are a test's own orders and events topics.
