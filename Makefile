@@ -129,15 +129,17 @@ vet:
 
 ## test-console-browser: the operator console in a real headless Chromium (Debian's
 ## chromium, installed by scripts/install-chromium.sh if missing): filter, redrive,
-## retry and pause through the pages, effects checked in Postgres and Kafka
+## retry and pause through the pages, effects checked in Postgres and Kafka; and a JetStream
+## dead-letter stream's pages (the local nats-server)
 test-console-browser:
 	scripts/install-chromium.sh
-	ONCELY_BROWSER_TEST=1 $(GO) test -race -count=1 -timeout 5m -run '^TestConsoleInBrowser$$' ./integration_test/
+	ONCELY_BROWSER_TEST=1 $(GO) test -race -count=1 -timeout 5m -run '^TestConsole(JetStream)?InBrowser$$' ./integration_test/
 
 ## bench-console: every console page rendered on 1,000,000 inbox rows, 100,000 outbox rows and
-## 100,000 dead letters, beside the same queries' raw time (ONCELY_CONSOLE_BENCH_SCALE scales them)
+## 100,000 dead letters, beside the same queries' raw time, and the dead-letter pages of a
+## JetStream stream of 10,000 (ONCELY_CONSOLE_BENCH_SCALE scales them)
 bench-console:
-	$(GO) test -run '^$$' -bench BenchmarkConsolePages -benchtime 3x -count 1 -timeout 20m ./integration_test/
+	$(GO) test -run '^$$' -bench 'BenchmarkConsole(Pages|JetStreamPages)' -benchtime 3x -count 1 -timeout 20m ./integration_test/
 
 ## console-screenshots: the same test, saving a PNG of each page into docs/console/
 console-screenshots:

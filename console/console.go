@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dedup"
@@ -42,8 +43,17 @@ type Config struct {
 	// DeadLetterTopics are the dead-letter topics shown. Default: every
 	// topic whose name ends in ".dlq".
 	DeadLetterTopics []string
-	// IDHeader is the dedup id header of redriven records. Default
-	// "message-id".
+	// JetStream reaches the NATS server of the JetStream consumers
+	// (natsconsumer) on a connection the caller owns: jetstream.New(nc).
+	// Without it the pages show no JetStream dead letters.
+	JetStream jetstream.JetStream
+	// DeadLetterStreams are the JetStream dead-letter streams shown.
+	// Default: every stream whose subjects all start with "dlq." (where
+	// natsconsumer.DefaultDeadLetterSubject puts dead letters); name them
+	// when the consumers' DeadLetterSubject puts them elsewhere.
+	DeadLetterStreams []string
+	// IDHeader is the dedup id header of redriven records and messages
+	// (a natsconsumer's MessageIDHeader). Default "message-id".
 	IDHeader string
 	// Actions enables the actions (redrive, retry, discard, pause,
 	// resume). Default false: read-only.
@@ -137,14 +147,15 @@ type Console struct {
 	s *server
 }
 
-// Run samples consumer lag and brings the dead-letter index up to date
-// every Config.SampleInterval until ctx is done, then returns nil. Without
-// Run the pages do both when viewed: the lag trend then has the overview's
-// views as its samples, and the first view of a dead-letter topic reads it
-// whole. A failed round is logged and the next one tried.
+// Run samples consumer lag and brings the dead-letter index (Kafka's
+// topics, JetStream's streams) up to date every Config.SampleInterval
+// until ctx is done, then returns nil. Without Run the pages do both when
+// viewed: the lag trend then has the overview's views as its samples, and
+// the first view of a dead-letter topic or stream reads it whole. A failed
+// round is logged and the next one tried.
 func (c *Console) Run(ctx context.Context) error {
 	s := c.s
-	if len(s.cfg.KafkaOpts) == 0 {
+	if len(s.cfg.KafkaOpts) == 0 && s.jetstream == nil {
 		<-ctx.Done()
 		return nil
 	}
@@ -166,14 +177,20 @@ func (c *Console) Run(ctx context.Context) error {
 func (s *server) sample(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
-	_, lagErr := s.lag(ctx)
-	topics, err := s.dlqTopics(ctx)
-	for _, t := range topics {
-		if _, serr := s.dlq.sync(ctx, t); serr != nil {
-			err = errors.Join(err, serr)
+	var err error
+	if len(s.cfg.KafkaOpts) > 0 {
+		_, err = s.lag(ctx)
+	}
+	for _, src := range s.sources() {
+		places, perr := src.places(ctx)
+		err = errors.Join(err, perr)
+		for _, p := range places {
+			if _, serr := src.sync(ctx, p); serr != nil {
+				err = errors.Join(err, serr)
+			}
 		}
 	}
-	return errors.Join(lagErr, err)
+	return err
 }
 
 // server is the console's state.
@@ -184,7 +201,10 @@ type server struct {
 	outbox *outbox.Outbox
 	hooks  *outbound.Store
 	tables struct{ inbox, outbox, deliveries string }
-	dlq    *dlqIndex
+	dlq    *dlqIndex // Kafka's dead-letter topics
+	// jetstream is JetStream's dead-letter streams; nil without
+	// Config.JetStream.
+	jetstream *jetStreamSource
 
 	lagHistory lagHistory
 	tmpl       *template.Template
@@ -211,6 +231,11 @@ func New(cfg Config) (*Console, error) {
 	s.cfg.Timeout = cmp.Or(cfg.Timeout, 15*time.Second)
 	s.cfg.SampleInterval = cmp.Or(cfg.SampleInterval, 15*time.Second)
 	s.dlq = &dlqIndex{opts: cfg.KafkaOpts}
+	if cfg.JetStream != nil {
+		s.jetstream = &jetStreamSource{js: cfg.JetStream, streams: cfg.DeadLetterStreams}
+	} else if len(cfg.DeadLetterStreams) > 0 {
+		return nil, errors.New("console: Config.DeadLetterStreams: needs Config.JetStream")
+	}
 	var err error
 	if s.inbox, err = dedup.New(dedup.Config{Schema: s.schema}); err != nil {
 		return nil, errors.New("console: Config.Schema: " + err.Error())

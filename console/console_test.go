@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 
@@ -74,5 +75,30 @@ func TestBearerToken(t *testing.T) {
 	h.ServeHTTP(rec, httptest.NewRequestWithContext(context.Background(), http.MethodGet, "/dlq?topic=t.dlq&token=0123456789abcdef-token", nil))
 	if rec.Code != http.StatusSeeOther || rec.Header().Get("Location") != "dlq?topic=t.dlq" || !strings.Contains(rec.Header().Get("Set-Cookie"), "HttpOnly") {
 		t.Errorf("sign-in: %d %v", rec.Code, rec.Header())
+	}
+}
+
+// A query names its place by the source's parameter, and gives it back
+// under the same one: ?topic= for Kafka (also when none is named), ?stream=
+// for JetStream.
+func TestQueryNamesItsPlace(t *testing.T) {
+	for _, c := range []struct {
+		query, where, values string
+	}{
+		{"topic=o.dlq&class=permanent", "topic", "class=permanent&topic=o.dlq"},
+		{"stream=O_DLQ&class=permanent", "stream", "class=permanent&stream=O_DLQ"},
+		{"class=permanent", "topic", "class=permanent"},
+	} {
+		v, err := url.ParseQuery(c.query)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := readDLQQuery(v)
+		if q.Where() != c.where || q.Values().Encode() != c.values || !q.Selective() {
+			t.Errorf("%s: where %q, values %q, selective %v; want %q, %q, true", c.query, q.Where(), q.Values().Encode(), q.Selective(), c.where, c.values)
+		}
+	}
+	if q := readDLQQuery(url.Values{"stream": {"O_DLQ"}}); q.Selective() || q.place() != "stream O_DLQ" {
+		t.Errorf("a stream alone: selective %v, place %q", q.Selective(), q.place())
 	}
 }

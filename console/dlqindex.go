@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -27,13 +28,21 @@ import (
 // one dead-lettering are listed once, as the copy first in partition and
 // offset order, and a filter decides on that copy.
 type dlqIndex struct {
-	opts   []kgo.Opt
+	opts []kgo.Opt
+	ix   indexes
+}
+
+// indexes holds a source's index of each place, made at its first use.
+type indexes struct {
 	mu     sync.Mutex
 	topics map[string]*topicIndex
 }
 
 type topicIndex struct {
 	refresh sync.Mutex // one reader of Kafka at a time
+	// created is when a JetStream stream was created, held by its
+	// refresh: another time means it was deleted and made again.
+	created time.Time
 
 	mu    sync.RWMutex // guards what follows
 	parts map[int32]*partIndex
@@ -67,7 +76,7 @@ type idKey struct {
 	offset                  int64
 }
 
-func (ix *dlqIndex) topic(name string) *topicIndex {
+func (ix *indexes) get(name string) *topicIndex {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	if ix.topics == nil {
@@ -90,7 +99,7 @@ func (ix *dlqIndex) sync(ctx context.Context, topic string) (*topicIndex, error)
 	if len(ix.opts) == 0 {
 		return nil, errNoKafka
 	}
-	t := ix.topic(topic)
+	t := ix.ix.get(topic)
 	t.refresh.Lock()
 	defer t.refresh.Unlock()
 	cl, err := kgo.NewClient(ix.opts...)
@@ -125,7 +134,7 @@ func (t *topicIndex) trim(starts, ends map[int32]int64) map[int32]int64 {
 	defer t.mu.Unlock()
 	for p, pi := range t.parts {
 		if end, ok := ends[p]; !ok || end < pi.next {
-			t.parts, t.ids = map[int32]*partIndex{}, map[idKey]*identity{}
+			t.clear()
 			break
 		}
 	}
@@ -145,6 +154,30 @@ func (t *topicIndex) trim(starts, ends map[int32]int64) map[int32]int64 {
 		from[p] = max(pi.next, start)
 	}
 	return from
+}
+
+// clear forgets every record; t.mu is held.
+func (t *topicIndex) clear() {
+	t.parts, t.ids = map[int32]*partIndex{}, map[idKey]*identity{}
+}
+
+// reset forgets every record: the next sync reads the place whole.
+func (t *topicIndex) reset() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.clear()
+}
+
+// size is the number of records indexed (copies and records that are not
+// dead letters included).
+func (t *topicIndex) size() int {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	n := 0
+	for _, pi := range t.parts {
+		n += len(pi.recs)
+	}
+	return n
 }
 
 func (t *topicIndex) forget(x *indexed) {

@@ -156,10 +156,17 @@ func (s *server) lag(ctx context.Context) ([]lagRow, error) {
 // ---- Dead letters over time ----
 
 type classCount struct {
-	Topic  string
+	Topic  string // the place: a topic, a stream
 	Counts map[dlq.Class]int
 	Total  int
 	Err    string
+}
+
+// sourceCounts is a source's places with their dead letters by class.
+type sourceCounts struct {
+	Kind   sourceKind
+	Places []classCount
+	Err    string // the places are unknown
 }
 
 // bucket counts the dead letters whose last failure falls in [At, At+span).
@@ -251,12 +258,14 @@ func (s *server) readiness(ctx context.Context, d *overviewData) []notReady {
 	if d.LagErr != "" {
 		out = append(out, notReady{"Kafka", d.LagErr})
 	}
-	if d.DLQErr != "" {
-		out = append(out, notReady{"dead-letter topics", d.DLQErr})
-	}
-	for _, t := range d.DeadLetter {
-		if t.Err != "" {
-			out = append(out, notReady{fmt.Sprintf("topic %q", t.Topic), t.Err})
+	for _, src := range d.DeadLetters {
+		if src.Err != "" {
+			out = append(out, notReady{"dead-letter " + src.Kind.Noun + "s", src.Err})
+		}
+		for _, t := range src.Places {
+			if t.Err != "" {
+				out = append(out, notReady{fmt.Sprintf("%s %q", src.Kind.Noun, t.Topic), t.Err})
+			}
 		}
 	}
 	for _, r := range d.Lag {
@@ -285,18 +294,21 @@ type overviewData struct {
 	Lag        []lagRow
 	LagErr     string
 	TrendSince time.Duration // how far back the lag samples go
-	DeadLetter []classCount
-	Times      *deadLetterTimes
-	DLQErr     string
-	Classes    []dlq.Class
-	Outbox     outbox.Status
-	Backlog    []topicBacklog
-	OutboxErr  string
-	Inbox      inboxCounts
-	InboxErr   string
-	Breakers   map[string]int // by breaker state
-	Paused     int
-	HooksErr   string
+	NoKafka    bool          // only JetStream is configured: no lag to show
+	// DeadLetters are every source's places; AnyPlaces: one has a place.
+	DeadLetters []sourceCounts
+	AnyPlaces   bool
+	Every       string // what the buckets count: "topic", "topic and stream"
+	Times       *deadLetterTimes
+	Classes     []dlq.Class
+	Outbox      outbox.Status
+	Backlog     []topicBacklog
+	OutboxErr   string
+	Inbox       inboxCounts
+	InboxErr    string
+	Breakers    map[string]int // by breaker state
+	Paused      int
+	HooksErr    string
 }
 
 var classes = []dlq.Class{dlq.ClassUndecodable, dlq.ClassPermanent, dlq.ClassMaxAttempts, dlq.ClassPanic, dlq.ClassOversized, dlq.ClassCrashLoop}
@@ -316,30 +328,29 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 	d := overviewData{Classes: classes, Breakers: map[string]int{}, Times: newTimes(now)}
 	v.Data = &d
 	var wg sync.WaitGroup
+	d.NoKafka = len(s.cfg.KafkaOpts) == 0 && s.jetstream != nil
+	if !d.NoKafka {
+		wg.Go(func() {
+			var err error
+			d.Lag, err = s.lag(ctx)
+			d.LagErr = errText(err)
+			d.TrendSince = s.lagHistory.span(time.Now()).Truncate(time.Second)
+		})
+	}
 	wg.Go(func() {
-		var err error
-		d.Lag, err = s.lag(ctx)
-		d.LagErr = errText(err)
-		d.TrendSince = s.lagHistory.span(time.Now()).Truncate(time.Second)
-	})
-	wg.Go(func() {
-		topics, err := s.dlqTopics(ctx)
-		d.DLQErr = errText(err)
-		for _, t := range topics {
-			cc := classCount{Topic: t, Counts: map[dlq.Class]int{}}
-			ti, err := s.dlq.sync(ctx, t)
-			cc.Err = errText(err)
-			if err == nil {
-				ti.each(func(e dlq.Entry) bool {
-					cc.Total++
-					if e.Info != nil {
-						cc.Counts[e.Info.Class]++
-						d.Times.add(e.Info.LastFailure, e.Info.Class)
-					}
-					return true
-				})
+		for _, src := range s.sources() {
+			sc := sourceCounts{Kind: src.kind()}
+			places, err := src.places(ctx)
+			sc.Err = errText(err)
+			for _, p := range places {
+				sc.Places = append(sc.Places, s.countClasses(ctx, src, p, d.Times))
 			}
-			d.DeadLetter = append(d.DeadLetter, cc)
+			d.AnyPlaces = d.AnyPlaces || len(places) > 0
+			d.DeadLetters = append(d.DeadLetters, sc)
+			if d.Every != "" {
+				d.Every += " and "
+			}
+			d.Every += sc.Kind.Noun
 		}
 		d.Times.Hours, d.Times.Days = nonEmpty(d.Times.Hours), nonEmpty(d.Times.Days)
 	})
@@ -368,6 +379,25 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 	wg.Wait()
 	d.NotReady = s.readiness(ctx, &d)
 	return "overview.html", nil
+}
+
+// countClasses counts the dead letters of place by class, and adds them
+// to times.
+func (s *server) countClasses(ctx context.Context, src deadLetterSource, place string, times *deadLetterTimes) classCount {
+	cc := classCount{Topic: place, Counts: map[dlq.Class]int{}}
+	ti, err := src.sync(ctx, place)
+	cc.Err = errText(err)
+	if err == nil {
+		ti.each(func(e dlq.Entry) bool {
+			cc.Total++
+			if e.Info != nil {
+				cc.Counts[e.Info.Class]++
+				times.add(e.Info.LastFailure, e.Info.Class)
+			}
+			return true
+		})
+	}
+	return cc
 }
 
 // backlog returns the outbox's pending and parked rows per topic.

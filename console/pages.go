@@ -27,6 +27,14 @@ import (
 	"github.com/oncely/oncely/webhook/outbound"
 )
 
+// formatTime is how the pages show a time: UTC to the second, "-" for none.
+func formatTime(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return t.UTC().Format("2006-01-02 15:04:05Z")
+}
+
 type navItem struct{ Key, Href, Label string }
 
 var navItems = []navItem{{"overview", "./", "Overview"}, {"dlq", "dlq", "Dead letters"}, {"outbox", "outbox", "Outbox"},
@@ -34,12 +42,7 @@ var navItems = []navItem{{"overview", "./", "Overview"}, {"dlq", "dlq", "Dead le
 
 var funcs = template.FuncMap{
 	"navs": func() []navItem { return navItems },
-	"ts": func(t time.Time) string {
-		if t.IsZero() {
-			return "-"
-		}
-		return t.UTC().Format("2006-01-02 15:04:05Z")
-	},
+	"ts":   formatTime,
 	"age": func(d time.Duration) string {
 		if d <= 0 {
 			return "-"
@@ -118,18 +121,32 @@ func (s *server) dlqTopics(ctx context.Context) ([]string, error) {
 
 // dlqQuery is the dead-letter filter as the page shows it.
 type dlqQuery struct {
+	// Param is the query parameter that names the place, Topic (a Kafka
+	// topic, a JetStream stream): the source's sourceKind.Param. Empty
+	// means "topic".
+	Param                                                           string
 	Topic, Source, Group, Class, Text, Key, MessageID, Since, Until string
 }
 
 func readDLQQuery(f url.Values) dlqQuery {
-	return dlqQuery{Topic: f.Get("topic"), Source: f.Get("source"), Group: f.Get("group"), Class: f.Get("class"),
+	q := dlqQuery{Source: f.Get("source"), Group: f.Get("group"), Class: f.Get("class"),
 		Text: f.Get("text"), Key: f.Get("key"), MessageID: f.Get("message_id"), Since: f.Get("since"), Until: f.Get("until")}
+	for _, p := range placeParams {
+		if f.Has(p) {
+			q.Param, q.Topic = p, f.Get(p)
+			break
+		}
+	}
+	return q
 }
+
+// Where is the query parameter that names the place.
+func (q dlqQuery) Where() string { return cmp.Or(q.Param, kafkaKind.Param) }
 
 // Values returns the query as URL values, empty fields left out.
 func (q dlqQuery) Values() url.Values {
 	v := url.Values{}
-	for k, s := range map[string]string{"topic": q.Topic, "source": q.Source, "group": q.Group, "class": q.Class,
+	for k, s := range map[string]string{q.Where(): q.Topic, "source": q.Source, "group": q.Group, "class": q.Class,
 		"text": q.Text, "key": q.Key, "message_id": q.MessageID, "since": q.Since, "until": q.Until} {
 		if s != "" {
 			v.Set(k, s)
@@ -138,9 +155,18 @@ func (q dlqQuery) Values() url.Values {
 	return v
 }
 
-// Selective reports whether any field but the topic narrows the selection.
+// place names the place for a message: a topic by its name, any other
+// place by its kind and name ("stream ORDERS_DLQ").
+func (q dlqQuery) place() string {
+	if q.Where() == kafkaKind.Param {
+		return q.Topic
+	}
+	return q.Where() + " " + q.Topic
+}
+
+// Selective reports whether any field but the place narrows the selection.
 func (q dlqQuery) Selective() bool {
-	return q != dlqQuery{Topic: q.Topic}
+	return q != dlqQuery{Param: q.Param, Topic: q.Topic}
 }
 
 func parseTime(field, v string) (time.Time, error) {
@@ -161,7 +187,7 @@ func parseTime(field, v string) (time.Time, error) {
 // filter returns the dlq.Filter of q.
 func (q dlqQuery) filter(refs []string) (dlq.Filter, error) {
 	if q.Topic == "" {
-		return dlq.Filter{}, badRequest{"topic: choose a dead-letter topic"}
+		return dlq.Filter{}, badRequest{fmt.Sprintf("%s: choose a dead-letter %[1]s", q.Where())}
 	}
 	f := dlq.Filter{SourceTopic: q.Source, Group: q.Group, Class: dlq.Class(q.Class), MessageID: q.MessageID, Refs: refs}
 	if q.Class != "" && !f.Class.Valid() {
@@ -176,46 +202,56 @@ func (q dlqQuery) filter(refs []string) (dlq.Filter, error) {
 }
 
 // list returns the entries that q selects (and refs, when given), in
-// partition and offset order, as dlq.List would on the whole topic. Their
-// records come from the index: they have no value (see withValues).
-func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Entry, error) {
+// partition and offset order, as dlq.List would on the whole topic (or
+// natsconsumer.DeadLetters on the whole stream), with the source of q's
+// place. Their records come from the index: they have no value (see
+// withValues).
+func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Entry, deadLetterSource, error) {
 	f, err := q.filter(refs)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	if len(s.cfg.KafkaOpts) == 0 {
-		return nil, errNoKafka
-	}
-	t, err := s.dlq.sync(ctx, q.Topic)
+	src, err := s.source(q.Where())
 	if err != nil {
-		return nil, err
+		return nil, nil, err
+	}
+	t, err := src.sync(ctx, q.Topic)
+	if err != nil {
+		return nil, nil, err
 	}
 	// Refs are looked up by partition and offset, not formatted for every
-	// record (Filter.Match's way); a ref that names another topic or is not
-	// partition/offset selects nothing, as in Filter.Match.
-	var want map[[2]int64]bool
+	// record (Filter.Match's way); a ref that names another topic (another
+	// subject) or is not partition/offset selects nothing, as in
+	// Filter.Match.
+	var want map[[2]int64][]string // the topics a ref names; "" any
 	if len(refs) > 0 {
-		want = map[[2]int64]bool{}
+		want = map[[2]int64][]string{}
 		for _, ref := range refs {
-			short := ref
+			short, topic := ref, ""
 			if i := strings.LastIndex(ref, "/"); i >= 0 {
 				if j := strings.LastIndex(ref[:i], "/"); j >= 0 {
-					if ref[:j] != q.Topic {
-						continue
-					}
-					short = ref[j+1:]
+					short, topic = ref[j+1:], ref[:j]
 				}
 			}
 			if p, o, err := parseRef("ref", short); err == nil && fmt.Sprintf("%d/%d", p, o) == short {
-				want[[2]int64{int64(p), o}] = true
+				k := [2]int64{int64(p), o}
+				want[k] = append(want[k], topic)
 			}
 		}
 		f.Refs = nil
 	}
+	named := func(e *dlq.Entry) bool {
+		for _, topic := range want[[2]int64{int64(e.Record.Partition), e.Record.Offset}] {
+			if topic == "" || topic == e.Record.Topic {
+				return true
+			}
+		}
+		return false
+	}
 	text := strings.ToLower(q.Text)
 	var out []dlq.Entry
 	t.each(func(e dlq.Entry) bool {
-		if want != nil && !want[[2]int64{int64(e.Record.Partition), e.Record.Offset}] ||
+		if want != nil && !named(&e) ||
 			!f.Match(&e) ||
 			q.Key != "" && string(e.Record.Key) != q.Key ||
 			q.Text != "" && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), text)) {
@@ -224,11 +260,13 @@ func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Ent
 		out = append(out, e)
 		return true
 	})
-	return out, nil
+	return out, src, nil
 }
 
 type dlqData struct {
-	Topics  []string
+	Kind    sourceKind // the source of the place shown
+	Topics  []string   // its places
+	Others  []placeList
 	Classes []dlq.Class
 	Q       dlqQuery
 	Matches int         // entries the filter selects
@@ -236,6 +274,13 @@ type dlqData struct {
 	First   int         // the position of Entries[0] among the matches, from 1
 	Next    string      // the query of the next page; empty on the last
 	Query   string      // the filter as a URL query
+}
+
+// placeList is a source's places, or why they are unknown.
+type placeList struct {
+	Kind  sourceKind
+	Names []string
+	Err   string
 }
 
 // pageSize is the number of rows a page lists; counts and actions cover
@@ -260,12 +305,32 @@ func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (str
 	v.Title, v.Nav = "Dead letters", "dlq"
 	d := &dlqData{Classes: classes, Q: readDLQQuery(r.URL.Query())}
 	v.Data = d
-	var err error
-	if d.Topics, err = s.dlqTopics(ctx); err != nil {
-		return "dlq.html", err
+	// The place the query names, else the first place of the first source
+	// that has one. The other sources' places are linked.
+	var lists []placeList
+	var errs []error
+	cur := -1
+	for i, src := range s.sources() {
+		names, err := src.places(ctx)
+		lists, errs = append(lists, placeList{Kind: src.kind(), Names: names, Err: errText(err)}), append(errs, err)
+		if cur < 0 && (d.Q.Param == src.kind().Param || d.Q.Param == "" && len(names) > 0) {
+			cur = i
+		}
+	}
+	if cur < 0 {
+		if d.Q.Param != "" { // a source not configured
+			_, err := s.source(d.Q.Param)
+			return "dlq.html", err
+		}
+		cur = 0
+	}
+	d.Kind, d.Topics = lists[cur].Kind, lists[cur].Names
+	d.Others = slices.Delete(lists, cur, cur+1)
+	if errs[cur] != nil {
+		return "dlq.html", errs[cur]
 	}
 	if d.Q.Topic == "" && len(d.Topics) > 0 {
-		d.Q.Topic = d.Topics[0]
+		d.Q.Param, d.Q.Topic = d.Kind.Param, d.Topics[0]
 	}
 	d.Query = d.Q.Values().Encode()
 	if d.Q.Topic == "" {
@@ -275,11 +340,12 @@ func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (str
 	// record, whatever was added or redriven before it since.
 	ap, ao := int32(-1), int64(-1)
 	if after := r.URL.Query().Get("after"); after != "" {
+		var err error
 		if ap, ao, err = parseRef("after", after); err != nil {
 			return "dlq.html", err
 		}
 	}
-	entries, err := s.list(ctx, d.Q, nil)
+	entries, _, err := s.list(ctx, d.Q, nil)
 	if err != nil {
 		return "dlq.html", err
 	}
@@ -302,7 +368,9 @@ func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (str
 }
 
 type recordData struct {
+	Param   string // the query parameter that names the place, Topic
 	Topic   string
+	Origin  []header // where the message came from, when not a Kafka topic
 	Entry   *dlq.Entry
 	Headers []header
 	Value   string
@@ -332,24 +400,25 @@ func printable(b []byte) string {
 
 func (s *server) record(ctx context.Context, r *http.Request, v *view) (string, error) {
 	v.Title, v.Nav = "Dead letter", "dlq"
-	topic, ref := r.URL.Query().Get("topic"), r.URL.Query().Get("ref")
-	d := &recordData{Topic: topic}
+	q := readDLQQuery(r.URL.Query())
+	ref := r.URL.Query().Get("ref")
+	d := &recordData{Param: q.Where(), Topic: q.Topic}
 	v.Data = d
 	if ref == "" {
 		return "record.html", badRequest{"ref: name a record as partition/offset"}
 	}
-	entries, err := s.list(ctx, dlqQuery{Topic: topic}, []string{ref})
+	entries, src, err := s.list(ctx, dlqQuery{Param: q.Param, Topic: q.Topic}, []string{ref})
 	if err != nil {
 		return "record.html", err
 	}
 	if len(entries) == 0 {
-		return "record.html", badRequest{fmt.Sprintf("no record %s in %s", ref, topic)}
+		return "record.html", badRequest{fmt.Sprintf("no record %s in %s", ref, q.place())}
 	}
-	if entries, err = s.dlq.withValues(ctx, topic, entries[:1]); err != nil {
+	if entries, err = src.withValues(ctx, q.Topic, entries[:1]); err != nil {
 		return "record.html", err
 	}
 	e := &entries[0]
-	d.Entry, d.Key = e, printable(e.Record.Key)
+	d.Entry, d.Key, d.Origin = e, printable(e.Record.Key), src.origin(e)
 	for _, h := range e.Record.Headers {
 		val := printable(h.Value)
 		if sensitive(h.Key) {
@@ -429,7 +498,7 @@ func (s *server) dlqConfirm(ctx context.Context, r *http.Request, v *view) (stri
 	if len(d.Refs) == 0 && q.Get("all") != "1" {
 		return "confirm.html", badRequest{"select records, or redrive all that match the filter"}
 	}
-	entries, err := s.list(ctx, d.Q, d.Refs)
+	entries, _, err := s.list(ctx, d.Q, d.Refs)
 	if err != nil {
 		return "confirm.html", err
 	}
@@ -461,7 +530,7 @@ func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.V
 	if err != nil {
 		return "", nil, "", nil, err
 	}
-	entries, err := s.list(ctx, q, refs)
+	entries, src, err := s.list(ctx, q, refs)
 	if err != nil {
 		return "", nil, "", nil, err
 	}
@@ -474,16 +543,11 @@ func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.V
 		}
 		entries = kept
 	}
-	args := []any{"topic", q.Topic, "filter", q.Values().Encode(), "refs", refs, "upto", f.Get("upto")}
-	if entries, err = s.dlq.withValues(ctx, q.Topic, entries); err != nil {
+	args := []any{q.Where(), q.Topic, "filter", q.Values().Encode(), "refs", refs, "upto", f.Get("upto")}
+	if entries, err = src.withValues(ctx, q.Topic, entries); err != nil {
 		return "", nil, "", args, err
 	}
-	cl, err := s.kafka()
-	if err != nil {
-		return "", nil, "", args, err
-	}
-	defer cl.Close()
-	results, err := dlq.Redrive(ctx, cl, entries, dlq.RedriveOptions{Inbox: s.inbox, DB: s.cfg.Pool, IDHeader: s.cfg.IDHeader})
+	results, err := src.redrive(ctx, entries, dlq.RedriveOptions{Inbox: s.inbox, DB: s.cfg.Pool, IDHeader: s.cfg.IDHeader})
 	n := 0
 	var redriven []string
 	for _, res := range results {

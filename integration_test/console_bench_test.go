@@ -24,6 +24,34 @@ import (
 	"github.com/oncely/oncely/webhook/outbound"
 )
 
+// consoleBenchScale is ONCELY_CONSOLE_BENCH_SCALE, the factor of the
+// console benchmarks' volumes (default 1).
+func consoleBenchScale(b *testing.B) float64 {
+	b.Helper()
+	scale := 1.0
+	if v := os.Getenv("ONCELY_CONSOLE_BENCH_SCALE"); v != "" {
+		var err error
+		if scale, err = strconv.ParseFloat(v, 64); err != nil || scale <= 0 {
+			b.Fatalf("ONCELY_CONSOLE_BENCH_SCALE: %q is not a positive number", v)
+		}
+	}
+	return scale
+}
+
+// timedPage renders the page at path and returns how long it took; it
+// fails the benchmark unless the page is a 200 without an error on it.
+func timedPage(b *testing.B, h http.Handler, path string) time.Duration {
+	b.Helper()
+	rec := httptest.NewRecorder()
+	t0 := time.Now()
+	h.ServeHTTP(rec, httptest.NewRequestWithContext(context.Background(), http.MethodGet, path, nil))
+	d := time.Since(t0)
+	if rec.Code != http.StatusOK || strings.Contains(rec.Body.String(), `class="err"`) {
+		b.Fatalf("%s: %d %s", path, rec.Code, rec.Body.String())
+	}
+	return d
+}
+
 // BenchmarkConsolePages renders each console page on real volumes:
 // 1,000,000 inbox rows in 4 groups, 100,000 outbox rows (half pending over
 // 64 shards, 1,000 parked, the rest sent) and 100,000 dead letters, and
@@ -37,13 +65,7 @@ import (
 //
 //	make bench-console
 func BenchmarkConsolePages(b *testing.B) {
-	scale := 1.0
-	if v := os.Getenv("ONCELY_CONSOLE_BENCH_SCALE"); v != "" {
-		var err error
-		if scale, err = strconv.ParseFloat(v, 64); err != nil || scale <= 0 {
-			b.Fatalf("ONCELY_CONSOLE_BENCH_SCALE: %q is not a positive number", v)
-		}
-	}
+	scale := consoleBenchScale(b)
 	nInbox, nOutbox, nDead := int(1_000_000*scale), int(100_000*scale), int(100_000*scale)
 	ctx := context.Background()
 	k := testenv.NewKafka(b)
@@ -110,16 +132,7 @@ func BenchmarkConsolePages(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	get := func(h http.Handler, path string) time.Duration {
-		rec := httptest.NewRecorder()
-		t0 := time.Now()
-		h.ServeHTTP(rec, httptest.NewRequestWithContext(context.Background(), http.MethodGet, path, nil))
-		d := time.Since(t0)
-		if rec.Code != http.StatusOK || strings.Contains(rec.Body.String(), `class="err"`) {
-			b.Fatalf("%s: %d %s", path, rec.Code, rec.Body.String())
-		}
-		return d
-	}
+	get := func(h http.Handler, path string) time.Duration { return timedPage(b, h, path) }
 	// The first view of a dead-letter topic reads it whole (dlq-cold
 	// measures it); Console.Run does that at start-up. The pages below are
 	// measured after it.

@@ -14,6 +14,8 @@ import (
 
 	"github.com/chromedp/cdproto/network"
 	"github.com/chromedp/chromedp"
+
+	"github.com/oncely/oncely/natsconsumer"
 )
 
 // chromiumPath finds Debian's chromium. The browser test is skipped without
@@ -41,60 +43,9 @@ func chromiumPath(t *testing.T) string {
 // Postgres. With ONCELY_CONSOLE_SCREENSHOTS=dir each page is saved there as
 // a PNG (make console-screenshots writes docs/console/).
 func TestConsoleInBrowser(t *testing.T) {
-	chromium := chromiumPath(t)
 	env := seedConsole(t)
-	shots := os.Getenv("ONCELY_CONSOLE_SCREENSHOTS")
-
-	// A fresh profile; chromium's helper processes may still write to it
-	// for a moment after the browser exits, so it is removed best effort
-	// rather than by t.TempDir's strict cleanup.
-	profile, err := os.MkdirTemp("", "oncely-chromium-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		for i := 0; i < 50 && os.RemoveAll(profile) != nil; i++ {
-			time.Sleep(100 * time.Millisecond) // a helper process still writing
-		}
-	})
-	opts := []chromedp.ExecAllocatorOption{
-		chromedp.ExecPath(chromium),
-		chromedp.Headless, chromedp.NoSandbox, chromedp.DisableGPU, chromedp.NoFirstRun, chromedp.NoDefaultBrowserCheck,
-		chromedp.Flag("disable-background-networking", true),
-		chromedp.Flag("disable-component-update", true),
-		chromedp.Flag("disable-sync", true),
-		chromedp.Flag("disable-dev-shm-usage", true),
-		chromedp.UserDataDir(profile),
-		chromedp.WindowSize(1280, 860),
-	}
-	actx, cancelA := chromedp.NewExecAllocator(context.Background(), opts...)
-	defer cancelA()
-	bctx, cancelB := chromedp.NewContext(actx)
-	defer cancelB()
-	ctx, cancel := context.WithTimeout(bctx, 2*time.Minute)
-	defer cancel()
-
-	run := func(what string, actions ...chromedp.Action) {
-		t.Helper()
-		if err := chromedp.Run(ctx, actions...); err != nil {
-			t.Fatalf("%s: %v", what, err)
-		}
-	}
-	shot := func(name string) chromedp.Action {
-		return chromedp.ActionFunc(func(ctx context.Context) error {
-			if shots == "" {
-				return nil
-			}
-			var png []byte
-			if err := chromedp.FullScreenshot(&png, 100).Do(ctx); err != nil { // the whole page, as PNG
-				return err
-			}
-			return os.WriteFile(filepath.Join(shots, name+".png"), png, 0o644)
-		})
-	}
+	run, shot := browser(t)
 	var text string
-	// The test's Auth hook names the operator from X-User.
-	run("start", network.Enable(), network.SetExtraHTTPHeaders(network.Headers{"X-User": "browser-operator"}))
 
 	run("overview", chromedp.Navigate(env.base), chromedp.WaitVisible("h1"), chromedp.Text("main", &text), shot("overview"))
 	if !strings.Contains(text, env.dlqTopic) || !strings.Contains(text, env.group) {
@@ -180,5 +131,113 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 	if logs := env.logs.String(); strings.Count(logs, "who=browser-operator") != 3 {
 		t.Errorf("want 3 actions logged with the operator's name:\n%s", logs)
+	}
+}
+
+// browser starts a headless Chromium for the test (skipping it without
+// one, see chromiumPath) and returns run, which runs actions in it and
+// fails the test on an error, and shot, an action that saves a PNG of the
+// whole page as ONCELY_CONSOLE_SCREENSHOTS/name.png when that is set. The
+// browser sends X-User: browser-operator, which the tests' Auth hook takes
+// for the operator's name.
+func browser(t *testing.T) (run func(what string, actions ...chromedp.Action), shot func(name string) chromedp.Action) {
+	t.Helper()
+	chromium := chromiumPath(t)
+	shots := os.Getenv("ONCELY_CONSOLE_SCREENSHOTS")
+
+	// A fresh profile; chromium's helper processes may still write to it
+	// for a moment after the browser exits, so it is removed best effort
+	// rather than by t.TempDir's strict cleanup.
+	profile, err := os.MkdirTemp("", "oncely-chromium-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for i := 0; i < 50 && os.RemoveAll(profile) != nil; i++ {
+			time.Sleep(100 * time.Millisecond) // a helper process still writing
+		}
+	})
+	opts := []chromedp.ExecAllocatorOption{
+		chromedp.ExecPath(chromium),
+		chromedp.Headless, chromedp.NoSandbox, chromedp.DisableGPU, chromedp.NoFirstRun, chromedp.NoDefaultBrowserCheck,
+		chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true),
+		chromedp.Flag("disable-dev-shm-usage", true),
+		chromedp.UserDataDir(profile),
+		chromedp.WindowSize(1280, 860),
+	}
+	actx, cancelA := chromedp.NewExecAllocator(context.Background(), opts...)
+	t.Cleanup(cancelA)
+	bctx, cancelB := chromedp.NewContext(actx)
+	t.Cleanup(cancelB)
+	ctx, cancel := context.WithTimeout(bctx, 2*time.Minute)
+	t.Cleanup(cancel)
+
+	run = func(what string, actions ...chromedp.Action) {
+		t.Helper()
+		if err := chromedp.Run(ctx, actions...); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+	shot = func(name string) chromedp.Action {
+		return chromedp.ActionFunc(func(ctx context.Context) error {
+			if shots == "" {
+				return nil
+			}
+			var png []byte
+			if err := chromedp.FullScreenshot(&png, 100).Do(ctx); err != nil { // the whole page, as PNG
+				return err
+			}
+			return os.WriteFile(filepath.Join(shots, name+".png"), png, 0o644)
+		})
+	}
+	run("start", network.Enable(), network.SetExtraHTTPHeaders(network.Headers{"X-User": "browser-operator"}))
+	return run, shot
+}
+
+// The JetStream dead-letter pages in a real headless Chromium, on a
+// console with JetStream only: the overview counts the stream's dead
+// letters, the operator filters them, redrives every match through the dry
+// run and its confirmation, each redriven message runs exactly once more,
+// and a record shows its value and provenance.
+func TestConsoleJetStreamInBrowser(t *testing.T) {
+	env := seedNATSConsole(t)
+	run, shot := browser(t)
+	var text string
+
+	run("overview", chromedp.Navigate(env.base), chromedp.WaitVisible(`#dlq-streams`), chromedp.Text(`#dlq-streams`, &text),
+		shot("jetstream-overview"))
+	if !strings.Contains(text, env.dlq) {
+		t.Errorf("overview shows no dead-letter stream:\n%s", text)
+	}
+	run("filter",
+		chromedp.Click(`#dlq-streams a`), chromedp.WaitVisible(`form.filter`),
+		chromedp.SetValue(`select[name="class"]`, "permanent"),
+		chromedp.SendKeys(`input[name="text"]`, "schema v1"),
+		chromedp.SendKeys(`input[name="source"]`, env.subject),
+		chromedp.Click(`form.filter button[type="submit"]`),
+		chromedp.WaitVisible(`//p[contains(., "3 dead letters match")]`),
+		shot("jetstream-dead-letters"))
+	run("dry run",
+		chromedp.Click(`button[name="all"]`), chromedp.WaitVisible(`#dry-run`), chromedp.Text(`#dry-run`, &text),
+		shot("jetstream-redrive-confirm"))
+	if !strings.Contains(text, "3 would be redriven") {
+		t.Fatalf("dry run: %q", text)
+	}
+	env.fixed.Store(true)
+	run("confirm", chromedp.Click(`button.danger`), chromedp.WaitVisible(`p.done`), chromedp.Text(`p.done`, &text))
+	if !strings.Contains(text, "redrove 3 of 3") {
+		t.Fatalf("after the confirmation: %q", text)
+	}
+	env.ranOnce("a", "c", "e")
+	run("record",
+		chromedp.Navigate(env.base+"record?"+url.Values{"stream": {env.dlq}, "ref": {env.refs["a"]}}.Encode()),
+		chromedp.WaitVisible(`pre.value`), chromedp.Text(`main`, &text), shot("jetstream-dead-letter-record"))
+	if !strings.Contains(text, `"amount": 10`) || !strings.Contains(text, natsconsumer.HeaderStream) {
+		t.Errorf("record a: no pretty JSON or no provenance header:\n%s", text)
+	}
+	if logs := env.logs.String(); strings.Count(logs, "who=browser-operator") != 1 {
+		t.Errorf("want the redrive logged with the operator's name:\n%s", logs)
 	}
 }

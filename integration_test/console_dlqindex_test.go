@@ -26,7 +26,7 @@ import (
 
 var (
 	matchRE = regexp.MustCompile(`(\d+) dead letters match`)
-	refRE   = regexp.MustCompile(`<a href="record\?topic=[^&]+&amp;ref=(\d+/\d+)">`)
+	refRE   = regexp.MustCompile(`<a href="record\?(?:topic|stream)=[^&]+&amp;ref=(\d+/\d+)">`)
 	nextRE  = regexp.MustCompile(`<a class="next" href="dlq\?([^"]+)">`)
 )
 
@@ -72,52 +72,11 @@ func TestConsoleDeadLetterIndexFollowsTheTopic(t *testing.T) {
 	produce(2, info(4).Headers(), "k-4")
 	produce(1, []kgo.RecordHeader{{Key: "message-id", Value: []byte("stray")}}, "")
 
-	filters := []url.Values{{}, {"class": {"permanent"}}, {"group": {"g1"}, "text": {"failure 3"}}, {"key": {"k-2"}}}
 	check := func(step string) {
 		t.Helper()
-		for _, f := range filters {
-			want, err := dlq.List(ctx, opts, dlqTopic, filterOf(t, f))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if f.Has("text") || f.Has("key") {
-				want = slices.DeleteFunc(want, func(e dlq.Entry) bool {
-					return f.Has("key") && string(e.Record.Key) != f.Get("key") ||
-						f.Has("text") && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), f.Get("text")))
-				})
-			}
-			wantRefs := make([]string, len(want))
-			for i, e := range want {
-				wantRefs[i] = fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset)
-			}
-			q := url.Values{"topic": {dlqTopic}}
-			for k, v := range f {
-				q[k] = v
-			}
-			var got []string
-			for pages := 0; q != nil; pages++ {
-				body := getPage(t, srv.URL+"/dlq?"+q.Encode())
-				m := matchRE.FindStringSubmatch(body)
-				if m == nil || m[1] != strconv.Itoa(len(want)) {
-					t.Fatalf("%s, filter %v: page says %v dead letters match, dlq.List %d", step, f, m, len(want))
-				}
-				for _, r := range refRE.FindAllStringSubmatch(body, -1) {
-					got = append(got, r[1])
-				}
-				q = nil
-				if n := nextRE.FindStringSubmatch(body); n != nil {
-					if q, err = url.ParseQuery(htmlUnescape(n[1])); err != nil {
-						t.Fatal(err)
-					}
-				}
-				if pages > 10 {
-					t.Fatalf("%s: more pages than records: %v %v", step, q, got[:5])
-				}
-			}
-			if !slices.Equal(got, wantRefs) {
-				t.Fatalf("%s, filter %v: the pages list\n%v\ndlq.List lists\n%v", step, f, got, wantRefs)
-			}
-		}
+		pagesListAsWhole(t, step, srv.URL+"/dlq", url.Values{"topic": {dlqTopic}}, func(f dlq.Filter) ([]dlq.Entry, error) {
+			return dlq.List(ctx, opts, dlqTopic, f)
+		})
 	}
 	check("first read")
 
@@ -143,6 +102,61 @@ func TestConsoleDeadLetterIndexFollowsTheTopic(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("after retention")
+}
+
+// pagesListAsWhole fails the test unless the console's dead-letter pages
+// of a place (placeQ: topic or stream), walked through their next links,
+// list for each of a few filters what list (the broker's dead-letter
+// tool, reading the place whole) lists, in the same order.
+func pagesListAsWhole(t *testing.T, step, pageURL string, placeQ url.Values, list func(dlq.Filter) ([]dlq.Entry, error)) {
+	t.Helper()
+	filters := []url.Values{{}, {"class": {"permanent"}}, {"group": {"g1"}, "text": {"failure 3"}}, {"key": {"k-2"}}}
+	for _, f := range filters {
+		want, err := list(filterOf(t, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f.Has("text") || f.Has("key") {
+			want = slices.DeleteFunc(want, func(e dlq.Entry) bool {
+				return f.Has("key") && string(e.Record.Key) != f.Get("key") ||
+					f.Has("text") && (e.Info == nil || !strings.Contains(strings.ToLower(e.Info.Error), f.Get("text")))
+			})
+		}
+		wantRefs := make([]string, len(want))
+		for i, e := range want {
+			wantRefs[i] = fmt.Sprintf("%d/%d", e.Record.Partition, e.Record.Offset)
+		}
+		q := url.Values{}
+		for k, v := range placeQ {
+			q[k] = v
+		}
+		for k, v := range f {
+			q[k] = v
+		}
+		var got []string
+		for pages := 0; q != nil; pages++ {
+			body := getPage(t, pageURL+"?"+q.Encode())
+			m := matchRE.FindStringSubmatch(body)
+			if m == nil || m[1] != strconv.Itoa(len(want)) {
+				t.Fatalf("%s, filter %v: page says %v dead letters match, the whole read %d", step, f, m, len(want))
+			}
+			for _, r := range refRE.FindAllStringSubmatch(body, -1) {
+				got = append(got, r[1])
+			}
+			q = nil
+			if n := nextRE.FindStringSubmatch(body); n != nil {
+				if q, err = url.ParseQuery(htmlUnescape(n[1])); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if pages > 10 {
+				t.Fatalf("%s: more pages than records: %v %v", step, q, got[:5])
+			}
+		}
+		if !slices.Equal(got, wantRefs) {
+			t.Fatalf("%s, filter %v: the pages list\n%v\nthe whole read lists\n%v", step, f, got, wantRefs)
+		}
+	}
 }
 
 // filterOf is the dlq.Filter of the console's query fields, but for text

@@ -211,19 +211,26 @@ func (env *consoleEnv) runFixed(t *testing.T, want ...string) {
 // operator from the X-User header.
 func (env *consoleEnv) serve(t *testing.T, actions bool) *httptest.Server {
 	t.Helper()
-	h, err := console.New(console.Config{Pool: env.db.Pool, Schema: env.db.Schema, KafkaOpts: env.consoleKafkaOpts,
+	return mountConsole(t, console.Config{Pool: env.db.Pool, Schema: env.db.Schema, KafkaOpts: env.consoleKafkaOpts,
 		DeadLetterTopics: []string{env.dlqTopic}, Actions: actions,
-		Logger: slog.New(slog.NewTextHandler(env.logs, nil)),
-		Auth: func(next http.Handler) http.Handler {
-			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				who := r.Header.Get("X-User")
-				if who == "" {
-					http.Error(w, "who are you?", http.StatusUnauthorized)
-					return
-				}
-				next.ServeHTTP(w, console.WithIdentity(r, who))
-			})
-		}})
+		Logger: slog.New(slog.NewTextHandler(env.logs, nil))})
+}
+
+// mountConsole serves the console of cfg under /ops/, with an Auth hook
+// that names the operator from the X-User header.
+func mountConsole(t *testing.T, cfg console.Config) *httptest.Server {
+	t.Helper()
+	cfg.Auth = func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			who := r.Header.Get("X-User")
+			if who == "" {
+				http.Error(w, "who are you?", http.StatusUnauthorized)
+				return
+			}
+			next.ServeHTTP(w, console.WithIdentity(r, who))
+		})
+	}
+	h, err := console.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

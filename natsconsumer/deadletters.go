@@ -30,60 +30,95 @@ func DeadLetters(ctx context.Context, js jetstream.JetStream, stream string, f d
 }
 
 // ReadStream returns the messages of stream from its first to the last one
-// stored when it starts, as records: Topic the subject, Offset the stream
-// sequence, Timestamp when it was stored, the headers in key order, and
-// Key the HeaderKey header's value (JetStreamPublisher's key). It reads
-// through an ordered consumer, which acknowledges nothing and leaves the
-// stream as it was.
+// stored when it starts, as records (see ReadRange).
 func ReadStream(ctx context.Context, js jetstream.JetStream, stream string) ([]*kgo.Record, error) {
 	s, err := js.Stream(ctx, stream)
 	if err != nil {
 		return nil, fmt.Errorf("natsconsumer: stream %q: %w", stream, err)
 	}
-	info, err := s.Info(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("natsconsumer: stream %q: %w", stream, err)
-	}
-	last := info.State.LastSeq
-	if info.State.Msgs == 0 {
-		return nil, nil
-	}
-	oc, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{DeliverPolicy: jetstream.DeliverAllPolicy})
-	if err != nil {
-		return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
-	}
+	state := s.CachedInfo().State
 	var recs []*kgo.Record
+	err = ReadRange(ctx, s, StreamRange{From: state.FirstSeq, To: state.LastSeq + 1}, func(r *kgo.Record) error {
+		recs = append(recs, r)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return recs, nil
+}
+
+// StreamRange is the part of a stream that ReadRange reads.
+type StreamRange struct {
+	// From and To bound the stream sequences read: From included, To not.
+	From, To uint64
+	// HeadersOnly leaves the messages' data out (the server sends their
+	// headers only, plus Nats-Msg-Size): for an index of the headers.
+	HeadersOnly bool
+}
+
+// fetchBatch is the number of messages ReadRange asks for at once.
+const fetchBatch = 500
+
+// ReadRange calls fn with each message of s whose sequence is in r, in
+// sequence order, as a record: Topic the subject, Partition 0, Offset the
+// stream sequence, Timestamp when it was stored, the headers in key order,
+// and Key the HeaderKey header's value (JetStreamPublisher's key); until
+// the last one of r stored, or fn's first error, which it returns.
+// Messages deleted from r meanwhile are skipped. It reads through an
+// ordered consumer, which acknowledges nothing and leaves the stream as it
+// was.
+func ReadRange(ctx context.Context, s jetstream.Stream, r StreamRange, fn func(*kgo.Record) error) error {
+	next := max(r.From, 1)
+	if next >= r.To {
+		return nil
+	}
+	stream := s.CachedInfo().Config.Name
+	oc, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: next, HeadersOnly: r.HeadersOnly})
+	if err != nil {
+		return fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+	}
 	for {
-		batch, err := oc.Fetch(500, jetstream.FetchMaxWait(time.Second))
+		// No more than the range holds: the server then answers the fetch
+		// as soon as they are sent, rather than at its expiry.
+		batch, err := oc.Fetch(int(min(fetchBatch, r.To-next)), jetstream.FetchMaxWait(time.Second))
 		if err != nil {
-			return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+			return fmt.Errorf("natsconsumer: read %q: %w", stream, err)
 		}
 		got := 0
 		for m := range batch.Messages() {
 			got++
 			md, err := m.Metadata()
 			if err != nil {
-				return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+				return fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+			}
+			seq := md.Sequence.Stream
+			if seq >= r.To {
+				return nil
 			}
 			rec := record(m, md)
 			if k := m.Headers().Get(HeaderKey); k != "" {
 				rec.Key = []byte(k)
 			}
-			recs = append(recs, rec)
-			if md.Sequence.Stream >= last || md.NumPending == 0 {
-				return recs, nil
+			if err := fn(rec); err != nil {
+				return err
+			}
+			next = seq + 1
+			if next >= r.To || md.NumPending == 0 {
+				return nil
 			}
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, nats.ErrTimeout) {
-			return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+			return fmt.Errorf("natsconsumer: read %q: %w", stream, err)
 		}
-		if got == 0 { // the messages up to last were deleted meanwhile?
+		if got == 0 { // the messages up to To were deleted meanwhile?
 			if ci, err := oc.Info(ctx); err == nil && ci.NumPending == 0 {
-				return recs, nil
+				return nil
 			}
 		}
 		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("natsconsumer: read %q: %w", stream, err)
+			return fmt.Errorf("natsconsumer: read %q: %w", stream, err)
 		}
 	}
 }

@@ -13,6 +13,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
 	"github.com/oncely/oncely/console"
 	"github.com/oncely/oncely/internal/kafkaflags"
 )
@@ -24,10 +27,12 @@ const tokenEnv = "ONCELY_CONSOLE_TOKEN"
 // consoleCmd serves the operator console:
 //
 //	oncely console [--listen 127.0.0.1:8089] [--database-url URL] [--schema oncely] [--brokers B]
-//	               [--dlq-topic T]... [--token T] [--actions] [--inbox-retention D] [--sample-interval D]
+//	               [--dlq-topic T]... [--nats URL [--stream S]...] [--token T] [--actions]
+//	               [--inbox-retention D] [--sample-interval D]
 //
 // It binds to localhost unless --listen says otherwise, and refuses a
-// non-loopback address without a token.
+// non-loopback address without a token. With --nats it shows JetStream's
+// dead-letter streams too (or only them, without --brokers).
 func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("console", flag.ContinueOnError)
 	var db dbFlags
@@ -39,8 +44,10 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	actions := fs.Bool("actions", false, "enable actions (redrive, retry, discard, pause, resume); default read-only")
 	retention := fs.Duration("inbox-retention", 0, "the inbox cleaner's retention, shown beside the oldest inbox row (0: not shown)")
 	sample := fs.Duration("sample-interval", 15*time.Second, "how often to sample consumer lag (the overview's trend) and read new dead letters")
-	var topics refs
+	var topics, streams refs
 	fs.Var(&topics, "dlq-topic", "dead-letter topic to show (repeatable; default every topic named *.dlq)")
+	natsURL := fs.String("nats", os.Getenv("NATS_URL"), "NATS server whose JetStream dead-letter streams to show too (env NATS_URL; default none)")
+	fs.Var(&streams, "stream", "JetStream dead-letter stream to show (repeatable, with --nats; default every stream whose subjects all start with dlq.)")
 	if err := parse(fs, args, stderr); err != nil {
 		return err
 	}
@@ -68,6 +75,24 @@ func consoleCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		if cfg.KafkaOpts, err = k.opts(); err != nil {
 			return usageErr("%v", err)
 		}
+	}
+	if len(streams) > 0 && *natsURL == "" {
+		return usageErr("--stream: needs --nats, the NATS server of the stream")
+	}
+	if *natsURL != "" {
+		// A server down at start-up, or later, is connected to when it
+		// comes back; meanwhile the pages say it is unreachable, as they do
+		// for Kafka.
+		nc, err := nats.Connect(*natsURL, nats.Name("oncely console"), nats.Timeout(k.timeout),
+			nats.RetryOnFailedConnect(true), nats.MaxReconnects(-1))
+		if err != nil {
+			return usageErr("--nats: %v", err)
+		}
+		defer nc.Close()
+		if cfg.JetStream, err = jetstream.New(nc); err != nil {
+			return err
+		}
+		cfg.DeadLetterStreams = streams
 	}
 	pool, err := db.connect(ctx, k.timeout)
 	if err != nil {

@@ -22,6 +22,7 @@ func TestConsoleBadUsage(t *testing.T) {
 		{[]string{"console", "--listen", "nohost"}, "--listen"},
 		{[]string{"console", "--token", "short"}, "--token: console: bearer token: at least 16 characters"},
 		{[]string{"console", "extra"}, "unexpected arguments"},
+		{[]string{"console", "--stream", "ORDERS_DLQ", "--nats", ""}, "--stream: needs --nats"},
 	} {
 		code, _, errs := oncely(t, tc.args...)
 		if code != 2 || !strings.Contains(errs, tc.want) {

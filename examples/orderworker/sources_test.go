@@ -165,25 +165,35 @@ func testSource(t *testing.T, bt brokerUnderTest, topic, events string, extra ..
 }
 
 // checkSourceDeadLetters requires each poison message of b among the dead
-// letters, once, as undecodable or permanent, and nothing else there.
+// letters, as undecodable or permanent, and nothing else there. A poison
+// message the producer sent twice may be dead-lettered from each delivery
+// when both run at once (as checkDeadLetters allows on Kafka): the further
+// ones are copies, logged, and the inbox holds the id once (requireExactlyOnce).
 func checkSourceDeadLetters(t *testing.T, entries []dlq.Entry, topic string, b orderBatch) {
 	t.Helper()
-	want := make(map[string]bool, len(b.Poison))
+	poison := make(map[string]bool, len(b.Poison))
 	for _, id := range b.Poison {
-		want[id] = true
+		poison[id] = true
 	}
+	seen, copies := make(map[string]bool), 0
 	for _, e := range entries {
 		switch {
-		case !want[e.Info.MessageID]:
-			t.Errorf("dead letter %s (message id %s) is not a poison message, or is there twice", e.Ref(), e.Info.MessageID)
+		case !poison[e.Info.MessageID]:
+			t.Errorf("dead letter %s (message id %s) is not a poison message", e.Ref(), e.Info.MessageID)
 		case e.Info.Group != testGroup || e.Info.Topic != topic || (e.Info.Class != dlq.ClassUndecodable && e.Info.Class != dlq.ClassPermanent):
 			t.Errorf("dead letter %s: group %q, topic %q, class %q; want %q, %q, undecodable or permanent", e.Ref(), e.Info.Group, e.Info.Topic, e.Info.Class, testGroup, topic)
+		case seen[e.Info.MessageID]:
+			copies++
 		}
-		delete(want, e.Info.MessageID)
+		copies += e.Copies - 1
+		seen[e.Info.MessageID] = true
 	}
-	if len(want) > 0 {
-		t.Errorf("%d poison messages not dead-lettered: %v", len(want), want)
+	for id := range poison {
+		if !seen[id] {
+			t.Errorf("poison message %s not dead-lettered", id)
+		}
 	}
+	t.Logf("%d poison messages dead-lettered, %d further copies", len(seen), copies)
 	if len(b.Poison) == 0 {
 		t.Error("the batch had no poison message to check")
 	}
