@@ -280,7 +280,7 @@ func timeMode(ctx context.Context, timeout time.Duration, n int,
 	for done() < int64(n) {
 		select {
 		case err := <-errc:
-			return brokerRound{}, fmt.Errorf("stopped after %d messages: %v", done(), err)
+			return brokerRound{}, fmt.Errorf("stopped after %d messages: %w", done(), err)
 		case <-ctx.Done():
 			return brokerRound{}, fmt.Errorf("%d of %d messages in %s", done(), n, timeout)
 		case <-tick.C:

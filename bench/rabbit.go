@@ -119,8 +119,12 @@ func rabbitPublish(ctx context.Context, conn *amqp.Connection, queues []string, 
 	wctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	for _, dc := range confirms {
-		if ok, err := dc.WaitContext(wctx); !ok || err != nil {
-			return fmt.Errorf("publish not confirmed: %v", err)
+		ok, err := dc.WaitContext(wctx)
+		if err != nil {
+			return fmt.Errorf("publish not confirmed: %w", err)
+		}
+		if !ok {
+			return errors.New("publish refused (basic.nack)")
 		}
 	}
 	q, err := ch.QueueDeclarePassive(queues[0], true, false, false, false, nil)

@@ -2,6 +2,7 @@ package integration_test
 
 import (
 	"bytes"
+	"context"
 	"net"
 	"os"
 	"os/exec"
@@ -38,7 +39,7 @@ func newRabbitServer(t *testing.T) *rabbitServer {
 	}
 	ports := make([]int, 2) // AMQP, Erlang distribution
 	for i := range ports {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		ln, err := (&net.ListenConfig{}).Listen(t.Context(), "tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -60,10 +61,12 @@ func newRabbitServer(t *testing.T) *rabbitServer {
 			t.Fatal(err)
 		}
 	}
-	if out, err := exec.Command("chown", "-R", "rabbitmq", dir).CombinedOutput(); err != nil {
+	if out, err := exec.CommandContext(t.Context(), "chown", "-R", "rabbitmq", dir).CombinedOutput(); err != nil {
 		t.Fatalf("chown %s to the rabbitmq user: %v: %s", dir, err, out)
 	}
-	s.cmd = exec.Command(rabbitServerBinary)
+	// Stopped by rabbitmqctl at the end (a killed script would leave the
+	// node, which runs as another user, behind).
+	s.cmd = exec.CommandContext(context.WithoutCancel(t.Context()), rabbitServerBinary)
 	s.cmd.Env = append(os.Environ(),
 		"RABBITMQ_NODENAME="+s.name, "RABBITMQ_NODE_PORT="+strconv.Itoa(s.port), "RABBITMQ_DIST_PORT="+strconv.Itoa(ports[1]),
 		"RABBITMQ_MNESIA_BASE="+dir+"/mnesia", "RABBITMQ_MNESIA_DIR="+dir+"/mnesia/node", "RABBITMQ_LOG_BASE="+dir+"/log",
@@ -92,10 +95,13 @@ func (s *rabbitServer) url() string {
 	return "amqp://guest:guest@127.0.0.1:" + strconv.Itoa(s.port) + "/"
 }
 
-// ctl runs rabbitmqctl on the node.
+// ctl runs rabbitmqctl on the node (also from a cleanup, after the test's
+// context ended).
 func (s *rabbitServer) ctl(args ...string) {
 	s.t.Helper()
-	out, err := exec.Command("rabbitmqctl", append([]string{"-n", s.name}, args...)...).CombinedOutput()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "rabbitmqctl", append([]string{"-n", s.name}, args...)...).CombinedOutput()
 	if err != nil {
 		s.t.Fatalf("rabbitmqctl %s on %s: %v: %s", strings.Join(args, " "), s.name, err, out)
 	}
