@@ -13,7 +13,7 @@ FUZZTIME ?= 30s
 # environment.
 PKGS ?= ./... ./examples/... ./integration_test/... ./internal/testenv/... ./oncelytest/...
 
-.PHONY: test-console-browser console-screenshots bench-console check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency bench-nats lint vet fmt-check
+.PHONY: test-console-browser console-screenshots bench-console check-user-deps tidy-check demo example-payments test test-modes test-crashpoints test-soak test-containers fuzz bench bench-uncontended bench-contended bench-chaos bench-outbox bench-idempotency bench-nats bench-rabbit lint vet fmt-check
 
 ## demo: the main job: orderworker on embedded defaults (kfake in-process, local Postgres)
 demo:
@@ -103,6 +103,12 @@ bench-idempotency:
 ## run, on the local nats-server (NATS_URL) and Postgres (docs/BENCHMARKS.md)
 bench-nats:
 	cd bench && $(GO) run . nats $(NATS_FLAGS)
+
+## bench-rabbit: the RabbitMQ consumer, per message and in batch mode, against a hand-written
+## amqp091-go consumer (manual ack, prefetch, inbox insert, effect, commit, ack), in one run, on
+## quorum queues of the local RabbitMQ (AMQP_URL) and Postgres (docs/BENCHMARKS.md)
+bench-rabbit:
+	cd bench && $(GO) run . rabbit $(RABBIT_FLAGS)
 
 ## bench-outbox: the outbox relay against a raw-SQL ceiling, in one run, with the ratio
 bench-outbox:

@@ -10,7 +10,9 @@
 // instead: its Postgres and Redis stores against a hand-written Redis
 // SET NX + GET version (make bench-idempotency). `go run . nats [flags]`
 // measures the NATS JetStream consumer, per message and in batch mode,
-// against a hand-written JetStream consumer (make bench-nats).
+// against a hand-written JetStream consumer (make bench-nats); `go run .
+// rabbit [flags]` the RabbitMQ consumer against a hand-written amqp091-go
+// consumer (make bench-rabbit).
 package main
 
 import (
@@ -92,6 +94,13 @@ func main() {
 	// process, so that this one's RSS is the consumers' own.
 	if len(os.Args) == 2 && os.Args[1] == kfakechild.Arg {
 		if err := kfakechild.Serve(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		return
+	}
+	if len(os.Args) >= 2 && os.Args[1] == rabbitCommand {
+		if err := runRabbit(os.Args[2:]); err != nil {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}

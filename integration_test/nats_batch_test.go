@@ -118,16 +118,7 @@ func TestNATSBatchTwoConsumersRaceOneEffect(t *testing.T) {
 		}
 	}
 	entered := make(chan struct{})
-	var once sync.Once
-	h := func(member string) consumer.Handler {
-		return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-			if member == "a" && msg.ID == "order-1" {
-				once.Do(func() { close(entered) })
-				e.waitForBlockedClaim() // b's claim of order-1 waits on ours
-			}
-			return sourceEffect(member)(ctx, tx, msg)
-		}
-	}
+	h := raceHandler(e.sourceDB, entered)
 	publish("a")
 	_, jsA := e.ownJetStream()
 	a, _ := e.start(t.Context(), e.batchConfig(jsA, h("a"), 10))
@@ -151,25 +142,66 @@ func TestNATSBatchTwoConsumersRaceOneEffect(t *testing.T) {
 	}
 }
 
+// raceHandler is the handler of the batch race tests, for consumer member
+// ("a" or "b"): a's run of order-1 closes entered, then waits until b's
+// claim of order-1 waits on a's transaction.
+func raceHandler(d sourceDB, entered chan struct{}) func(member string) consumer.Handler {
+	var once sync.Once
+	return func(member string) consumer.Handler {
+		return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+			if member == "a" && msg.ID == "order-1" {
+				once.Do(func() { close(entered) })
+				d.waitForBlockedClaim() // b's claim of order-1 waits on ours
+			}
+			return sourceEffect(member)(ctx, tx, msg)
+		}
+	}
+}
+
 // Batch mode: in one batch, a poison message (dlq.Permanent) is rolled back
 // to its savepoint and dead-lettered, and a flaky one (fails its first
 // attempt) is handed back with NakWithDelay and commits on its redelivery,
 // while their neighbours commit in the batch, each run once.
 func TestNATSBatchPoisonDeadLetteredNeighboursCommit(t *testing.T) {
 	e := newNATSEnv(t)
-	ids := []string{"ok-0", "poison-1", "ok-2", "flaky-3", "ok-4"}
-	for _, id := range ids {
+	for _, id := range poisonBatchIDs {
 		e.publish(e.subject, id, map[string]string{nats.MsgIdHdr: id})
 	}
-	var r runCounter
-	var mu sync.Mutex
-	attempts := map[string][]int{}
+	var p poisonBatch
+	c, _ := e.start(t.Context(), e.batchConfig(e.js, p.handler(), 10))
+	out := e.deadLetters(1)[0]
+	e.settled()
+	if got := out.Headers().Get(dlq.HeaderMessageID); got != "poison-1" {
+		t.Fatalf("dead letter of %q, want poison-1", got)
+	}
+	if got := out.Headers().Get(dlq.HeaderErrorClass); got != string(dlq.ClassPermanent) {
+		t.Errorf("dead letter class %q, want permanent", got)
+	}
+	p.check(e.sourceDB, c.Stats(), "a redelivery after the Nak")
+}
+
+// poisonBatchIDs are the messages of the poison-in-a-batch tests.
+var poisonBatchIDs = []string{"ok-0", "poison-1", "ok-2", "flaky-3", "ok-4"}
+
+// poisonBatch is the handler of the poison-in-a-batch tests, which records
+// each message's attempts: poison-1 fails for good (dlq.Permanent) after
+// writing its effect, flaky-3 fails its first attempt, the others succeed.
+type poisonBatch struct {
+	runs     runCounter
+	mu       sync.Mutex
+	attempts map[string][]int
+}
+
+func (p *poisonBatch) handler() consumer.Handler {
 	apply := sourceEffect("a")
-	cfg := e.batchConfig(e.js, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-		n := r.add(msg.ID)
-		mu.Lock()
-		attempts[msg.ID] = append(attempts[msg.ID], msg.Attempt)
-		mu.Unlock()
+	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		n := p.runs.add(msg.ID)
+		p.mu.Lock()
+		if p.attempts == nil {
+			p.attempts = map[string][]int{}
+		}
+		p.attempts[msg.ID] = append(p.attempts[msg.ID], msg.Attempt)
+		p.mu.Unlock()
 		if err := apply(ctx, tx, msg); err != nil {
 			return err
 		}
@@ -180,34 +212,34 @@ func TestNATSBatchPoisonDeadLetteredNeighboursCommit(t *testing.T) {
 			return errors.New("payment service unavailable")
 		}
 		return nil
-	}, 10)
-	c, _ := e.start(t.Context(), cfg)
-	out := e.deadLetters(1)[0]
-	e.settled()
-	if got := out.Headers().Get(dlq.HeaderMessageID); got != "poison-1" {
-		t.Fatalf("dead letter of %q, want poison-1", got)
 	}
-	if got := out.Headers().Get(dlq.HeaderErrorClass); got != string(dlq.ClassPermanent) {
-		t.Errorf("dead letter class %q, want permanent", got)
-	}
-	e.effects(4)
-	if n := e.count(`SELECT count(*) FROM effects WHERE message_id = 'poison-1'`); n != 0 {
+}
+
+// check fails the test unless, once every message settled, the four good
+// ones took effect once and the poison's effect rolled back, each message
+// but flaky-3 ran once, flaky-3 ran twice (retried as retry says), the
+// inbox records the dead letter, and st counts it all.
+func (p *poisonBatch) check(d sourceDB, st consumer.Stats, retry string) {
+	t := d.t
+	t.Helper()
+	d.effects(4)
+	if n := d.count(`SELECT count(*) FROM effects WHERE message_id = 'poison-1'`); n != 0 {
 		t.Errorf("the poison's effect committed (%d rows)", n)
 	}
 	for _, id := range []string{"ok-0", "poison-1", "ok-2", "ok-4"} {
-		if n := r.of(id); n != 1 {
+		if n := p.runs.of(id); n != 1 {
 			t.Errorf("%s ran %d times, want once", id, n)
 		}
 	}
-	mu.Lock()
-	if got := attempts["flaky-3"]; len(got) != 2 || got[0] != 1 || got[1] != 2 {
-		t.Errorf("flaky-3's attempts %v, want [1 2] (a redelivery after the Nak)", got)
+	p.mu.Lock()
+	if got := p.attempts["flaky-3"]; len(got) != 2 || got[0] != 1 || got[1] != 2 {
+		t.Errorf("flaky-3's attempts %v, want [1 2] (%s)", got, retry)
 	}
-	mu.Unlock()
-	if n := e.count(`SELECT count(*) FROM inbox WHERE message_id = 'poison-1' AND outcome = 'dead_lettered'`); n != 1 {
+	p.mu.Unlock()
+	if n := d.count(`SELECT count(*) FROM inbox WHERE message_id = 'poison-1' AND outcome = 'dead_lettered'`); n != 1 {
 		t.Errorf("inbox holds the dead letter %d times, want 1", n)
 	}
-	if st := c.Stats(); st.Processed != 4 || st.DeadLettered != 1 || st.Retries != 1 || st.Batches == 0 {
+	if st.Processed != 4 || st.DeadLettered != 1 || st.Retries != 1 || st.Batches == 0 {
 		t.Errorf("processed %d, dead-lettered %d, retries %d, batches %d; want 4, 1, 1 and some",
 			st.Processed, st.DeadLettered, st.Retries, st.Batches)
 	}

@@ -46,16 +46,20 @@ const (
 // when the test ends) and its Postgres schema with an effects table.
 type rabbitEnv struct {
 	sourceDB
+	url   string           // the RabbitMQ: rabbitURL, or a test's own node
 	conn  *amqp.Connection // the test's own, for publishing and inspecting
 	queue string
 	dlq   string // rabbitconsumer.DefaultDeadLetterRoutingKey(queue)
 }
 
-func newRabbitEnv(t *testing.T) *rabbitEnv {
+func newRabbitEnv(t *testing.T) *rabbitEnv { return newRabbitEnvOn(t, rabbitURL) }
+
+// newRabbitEnvOn is newRabbitEnv on the RabbitMQ at url.
+func newRabbitEnvOn(t *testing.T, url string) *rabbitEnv {
 	t.Helper()
-	conn := rabbitConn(t)
+	conn := rabbitConnTo(t, url)
 	q := testenv.UniqueName("oncely-rabbit")
-	e := &rabbitEnv{sourceDB: newSourceDB(t), conn: conn, queue: q, dlq: rabbitconsumer.DefaultDeadLetterRoutingKey(q)}
+	e := &rabbitEnv{sourceDB: newSourceDB(t), url: url, conn: conn, queue: q, dlq: rabbitconsumer.DefaultDeadLetterRoutingKey(q)}
 	for _, name := range []string{e.queue, e.dlq} {
 		e.declareQueue(name)
 	}
@@ -63,12 +67,13 @@ func newRabbitEnv(t *testing.T) *rabbitEnv {
 	return e
 }
 
-// rabbitConn is a connection of the test's own, closed when it ends.
-func rabbitConn(t *testing.T) *amqp.Connection {
+// rabbitConnTo is a connection of the test's own to the RabbitMQ at url,
+// closed when it ends.
+func rabbitConnTo(t *testing.T, url string) *amqp.Connection {
 	t.Helper()
-	conn, err := amqp.Dial(rabbitURL)
+	conn, err := amqp.Dial(url)
 	if err != nil {
-		t.Fatalf("connect to RabbitMQ at %s (is rabbitmq-server running?): %v", rabbitAddr, err)
+		t.Fatalf("connect to RabbitMQ at %s (is rabbitmq-server running?): %v", url, err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return conn
@@ -97,7 +102,7 @@ func (e *rabbitEnv) declareQueue(name string) {
 // deleteAtEnd deletes the queue name, if it exists, when the test ends.
 func (e *rabbitEnv) deleteAtEnd(name string) {
 	e.t.Cleanup(func() {
-		conn, err := amqp.Dial(rabbitURL)
+		conn, err := amqp.Dial(e.url)
 		if err != nil {
 			e.t.Errorf("delete queue %s: %v", name, err)
 			return
@@ -116,7 +121,7 @@ func (e *rabbitEnv) deleteAtEnd(name string) {
 // config is a consumer of the test's queue.
 func (e *rabbitEnv) config(h consumer.Handler) rabbitconsumer.Config {
 	return rabbitconsumer.Config{
-		URL: rabbitURL, Queues: []string{e.queue}, Group: "workers", Pool: e.db.Pool, Schema: e.db.Schema, Handler: h,
+		URL: e.url, Queues: []string{e.queue}, Group: "workers", Pool: e.db.Pool, Schema: e.db.Schema, Handler: h,
 		RetryBaseDelay: 10 * time.Millisecond, RetryMaxDelay: 50 * time.Millisecond,
 		ShutdownTimeout: 5 * time.Second, ReconnectMaxDelay: 200 * time.Millisecond,
 	}
@@ -728,6 +733,7 @@ const (
 	rabbitDieAfterDeadLetter = "after-dead-letter" // AfterDeadLetter: the handler's error is permanent
 	rabbitDieInHandler       = "in-handler"        // the handler exits: nothing finishes
 	rabbitDieAfterRetryCopy  = "after-retry-copy"  // AfterRetryCopy: the handler fails, its copy is stored, the original not acknowledged
+	rabbitDieAfterBatch      = "after-batch"       // AfterCommit in batch mode: a batch committed, none of it acknowledged
 )
 
 // TestRabbitChildWorker is the child process's body; it is skipped in an
@@ -755,9 +761,13 @@ func TestRabbitChildWorker(t *testing.T) {
 	die := func(*kgo.Record) error { os.Exit(rabbitExitCode); return nil }
 	hooks := &testhook.Consumer{}
 	handler := sourceEffect("child")
+	batchSize := 1
 	switch f[4] {
 	case rabbitDieAfterCommit:
 		hooks.AfterCommit = die
+	case rabbitDieAfterBatch:
+		hooks.AfterCommit = die
+		batchSize = 10
 	case rabbitDieAfterDeadLetter:
 		hooks.AfterDeadLetter = die
 		handler = func(context.Context, pgx.Tx, *consumer.Message) error { return dlq.Permanent(errors.New("refused")) }
@@ -770,7 +780,7 @@ func TestRabbitChildWorker(t *testing.T) {
 		}
 	}
 	c, err := rabbitconsumer.New(rabbitconsumer.Config{URL: rabbitURL, Queues: []string{f[2]}, Group: "workers",
-		Pool: pool, Schema: f[1], Handler: handler, MaxAttempts: maxAttempts})
+		Pool: pool, Schema: f[1], Handler: handler, MaxAttempts: maxAttempts, BatchSize: batchSize})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -25,6 +25,8 @@ func TestNewNamesTheInvalidField(t *testing.T) {
 		{"Group", Config{URL: url, Queues: q, Group: strings.Repeat("g", 201)}},
 		{"Concurrency", Config{URL: url, Queues: q, Group: "g", Concurrency: -1}},
 		{"Prefetch", Config{URL: url, Queues: q, Group: "g", Concurrency: 4, Prefetch: 2}},
+		{"Prefetch", Config{URL: url, Queues: q, Group: "g", Concurrency: 2, BatchSize: 10, Prefetch: 19}},
+		{"BatchSize", Config{URL: url, Queues: q, Group: "g", BatchSize: -1}},
 		{"DeadLetterRoutingKey", Config{URL: url, Queues: q, Group: "g", DeadLetterRoutingKey: func(q string) string { return q }}},
 		{"RetryQueue", Config{URL: url, Queues: q, Group: "g", RetryQueue: func(string) string { return "orders" }}},
 		{"RetryQueue", Config{URL: url, Queues: q, Group: "g", RetryQueue: func(string) string { return "orders.dlq" }}},

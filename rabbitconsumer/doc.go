@@ -87,6 +87,32 @@
 // consumer_timeout (30 minutes by default) all the same: a message held
 // longer by a slow handler closes its channel.
 //
+// # Batch mode
+//
+// With BatchSize above 1, the deliveries of a queue that the client holds
+// when a place (of Concurrency) is free, up to BatchSize, share one
+// transaction: a batch never waits to fill up, so a message that arrives
+// alone runs at once, and those that arrive while every place is busy make
+// up the next batches. Prefetch defaults to Concurrency x BatchSize and
+// must be at least that, for the batches to fill. A batch goes through the
+// batch code of the Kafka consumer (consumer.DeliverBatch): one multi-row
+// inbox claim, a savepoint per message (or one BatchHandler call), one
+// COMMIT, then the acknowledgement. A message whose handler fails is rolled
+// back to its savepoint alone and, after the others committed, goes to the
+// retry queue or the dead-letter destination as in 3 and 5, that failure
+// counting as an attempt; a batch whose transaction fails as a whole runs
+// each message alone.
+//
+// A batch is acknowledged with one basic.ack of its highest delivery tag
+// (multiple) when that settles exactly the batch: the consumer consumes one
+// queue (the channel's delivery tags then arrive in order on one Go
+// channel) and no earlier delivery of the channel is still unacknowledged.
+// Otherwise, because a multiple ack would also settle an earlier message
+// still running in another batch, or abandoned, each message is
+// acknowledged on its own. Acknowledgements wait for no failed neighbour:
+// those of the committed messages are sent before a failed one publishes
+// its retry copy or dead letter.
+//
 // # Attempts across crashes: use quorum queues
 //
 // Attempts that fail are counted in the retry copies (HeaderAttempts).

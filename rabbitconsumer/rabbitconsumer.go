@@ -103,8 +103,25 @@ type Config struct {
 	// Handler runs once per new message id, inside the transaction that
 	// claimed it. Message.Topic is the queue, Message.Offset the delivery
 	// tag, Message.Attempt the attempt counted with the queue's delivery
-	// count (Delivery returns the AMQP delivery itself).
+	// count (Delivery returns the AMQP delivery itself). Required unless
+	// BatchHandler is set.
 	Handler consumer.Handler
+
+	// BatchSize above 1 turns on batch mode: up to BatchSize deliveries of
+	// a queue that the client holds ready share one transaction. Their ids
+	// are claimed in the inbox with one multi-row statement; with Handler,
+	// each new message runs under a savepoint of its own, so a failing
+	// message rolls back alone and, once the others committed, is retried
+	// (through the RetryQueue) or dead-lettered on its own. After the
+	// COMMIT the batch is acknowledged: with one basic.ack (multiple) of its
+	// highest delivery tag when it consumes one queue and every earlier
+	// delivery of the channel is settled, else one ack per message. A
+	// batch takes the deliveries that are there; it never waits for more.
+	// Default 1: a transaction per message.
+	BatchSize int
+	// BatchHandler, when set with BatchSize above 1, receives all new
+	// messages of a batch at once instead of Handler running per message.
+	BatchHandler consumer.BatchHandler
 
 	// MessageIDHeader is the header read for the dedup id when the
 	// message has no message_id property. Default "message-id". A message
@@ -131,15 +148,16 @@ type Config struct {
 	// exchange); one that exists with other arguments fails Run. Default
 	// DefaultRetryQueue.
 	RetryQueue func(queue string) string
-	// Concurrency is how many messages of each queue run at once, each in
-	// its own transaction. Default 1.
+	// Concurrency is how many messages (batches, in batch mode) of each
+	// queue run at once, each in its own transaction. Default 1.
 	Concurrency int
 	// Prefetch is the most unacknowledged messages RabbitMQ hands over per
-	// queue (basic.qos). Default Concurrency: every message delivered runs
-	// at once. More saves a round trip per message where the network is
+	// queue (basic.qos). Default Concurrency x BatchSize: every message
+	// delivered runs at once, and a batch can fill up. More saves a round trip per message where the network is
 	// slow, but a message that waits for a place when the process dies is
 	// counted as delivered like the ones that ran (a quorum queue counts
-	// deliveries, not runs), towards its MaxAttempts. At least Concurrency.
+	// deliveries, not runs), towards its MaxAttempts. At least Concurrency
+	// x BatchSize.
 	Prefetch int
 	// DeadLetterExchange is the exchange dead letters are published to.
 	// Default "": the default exchange, which routes a routing key to the
@@ -192,7 +210,10 @@ type Consumer struct {
 func New(cfg Config) (*Consumer, error) {
 	cfg.MaxAttempts = cmp.Or(cfg.MaxAttempts, DefaultMaxAttempts)
 	cfg.Concurrency = cmp.Or(cfg.Concurrency, DefaultConcurrency)
-	cfg.Prefetch = cmp.Or(cfg.Prefetch, cfg.Concurrency)
+	cfg.BatchSize = cmp.Or(cfg.BatchSize, 1)
+	if cfg.Concurrency > 0 && cfg.BatchSize > 0 {
+		cfg.Prefetch = cmp.Or(cfg.Prefetch, cfg.Concurrency*cfg.BatchSize)
+	}
 	cfg.ShutdownTimeout = cmp.Or(cfg.ShutdownTimeout, 30*time.Second)
 	cfg.ReconnectMaxDelay = cmp.Or(cfg.ReconnectMaxDelay, 5*time.Second)
 	cfg.RetryBaseDelay = cmp.Or(cfg.RetryBaseDelay, 100*time.Millisecond)
@@ -221,8 +242,11 @@ func New(cfg Config) (*Consumer, error) {
 		return nil, invalid("Group", "a consumer group name of 1 to 200 bytes is required (it names the consumer tags), got %d bytes", len(cfg.Group))
 	case cfg.Concurrency < 1:
 		return nil, invalid("Concurrency", "must be at least 1, got %d", cfg.Concurrency)
-	case cfg.Prefetch < cfg.Concurrency || cfg.Prefetch > 65535:
-		return nil, invalid("Prefetch", "must be from Concurrency (%d) to 65535, got %d", cfg.Concurrency, cfg.Prefetch)
+	case cfg.BatchSize < 1:
+		return nil, invalid("BatchSize", "must be at least 1, got %d", cfg.BatchSize)
+	case cfg.Prefetch < cfg.Concurrency*cfg.BatchSize || cfg.Prefetch > 65535:
+		return nil, invalid("Prefetch", "must be from Concurrency x BatchSize (%d) to 65535, got %d",
+			cfg.Concurrency*cfg.BatchSize, cfg.Prefetch)
 	case cfg.ShutdownTimeout < 0:
 		return nil, invalid("ShutdownTimeout", "must not be negative, got %s", cfg.ShutdownTimeout)
 	}
@@ -248,6 +272,7 @@ func New(cfg Config) (*Consumer, error) {
 	idHeader := cfg.MessageIDHeader
 	path, err := consumer.NewRecordPath(consumer.Config{
 		Group: cfg.Group, Pool: cfg.Pool, Schema: cfg.Schema, Handler: cfg.Handler,
+		BatchSize: cfg.BatchSize, BatchHandler: cfg.BatchHandler,
 		// The message_id property, then MessageIDHeader; else none.
 		KeyFunc: func(rec *kgo.Record) (string, error) {
 			if d, ok := deliveryOf(rec); ok && d.MessageId != "" {
@@ -491,7 +516,10 @@ func (r *run) session(ctx context.Context) error {
 	if err := ch.Qos(c.cfg.Prefetch, 0, false); err != nil {
 		return fmt.Errorf("rabbitconsumer: basic.qos prefetch %d: %w", c.cfg.Prefetch, err)
 	}
-	s := &session{r: r, ch: ch, pub: pub, lost: lost}
+	// One queue's deliveries arrive, in delivery-tag order, on one Go
+	// channel: its batches can be acknowledged with one multiple ack.
+	s := &session{r: r, ch: ch, pub: pub, lost: lost,
+		acks: &acker{ch: ch, tracked: c.cfg.BatchSize > 1 && len(c.cfg.Queues) == 1}}
 	// cancelled gets the queue of a consumer that RabbitMQ cancelled (its
 	// queue was deleted, or a quorum queue's leader moved): the session
 	// ends, and the next one consumes it again, or waits for it.
@@ -503,23 +531,22 @@ func (r *run) session(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("rabbitconsumer: consume queue %q: %w", q, err)
 		}
+		if c.cfg.BatchSize == 1 {
+			s.consumeEach(q, deliveries, cancelled)
+			continue
+		}
 		consumers.Add(1)
 		go func() {
 			defer consumers.Done()
-			for d := range deliveries {
-				r.wg.Add(1)
-				go func() {
-					defer r.wg.Done()
-					s.handle(q, d)
-				}()
-			}
+			s.consumeBatches(q, deliveries)
 			cancelled <- q
 		}()
 	}
 	c.sessions.Add(1)
 	r.connected = true
 	c.conn.Store(nil)
-	c.cfg.Logger.Info("oncely rabbitmq connected", "queues", c.cfg.Queues, "prefetch", c.cfg.Prefetch)
+	c.cfg.Logger.Info("oncely rabbitmq connected", "queues", c.cfg.Queues, "prefetch", c.cfg.Prefetch,
+		"batch_size", c.cfg.BatchSize)
 	var closed *amqp.Error
 	select {
 	case <-ctx.Done():
@@ -617,6 +644,7 @@ type session struct {
 	ch   *amqp.Channel // consuming: its deliveries are acknowledged on it
 	pub  *confirmer    // dead letters
 	lost chan struct{} // closed when the connection is replaced or Run stops
+	acks *acker        // acknowledges ch's deliveries
 }
 
 // handle runs one delivery through the record path in a place of
@@ -632,13 +660,40 @@ func (s *session) handle(queue string, d amqp.Delivery) {
 		return
 	}
 	defer func() { <-slots }()
-	rec := record(queue, &d)
-	src := &source{s: s, d: &d, rec: rec, queue: queue}
+	src := s.source(queue, &d)
 	defer src.DatabaseDown(false)
-	src.spent = src.retried() + src.deliveryCount()
 	ctx := consumer.WithSpanAttributes(r.workCtx, telemetry.MessagingRabbitMQRoutingKey.String(d.RoutingKey),
 		telemetry.MessagingRabbitMQDeliveryTag.Int64(int64(d.DeliveryTag)))
-	r.c.path.Deliver(ctx, rec, src)
+	r.c.path.Deliver(ctx, src.rec, src)
+}
+
+// consumeEach runs queue's deliveries one at a time in each of Concurrency
+// workers, which take them from the client as they finish the one before,
+// until the deliveries end; then the last worker reports queue on
+// cancelled. The workers are among the messages in progress (run.wg): a
+// graceful stop waits for them, bounded by ShutdownTimeout.
+func (s *session) consumeEach(queue string, deliveries <-chan amqp.Delivery, cancelled chan<- string) {
+	r := s.r
+	var left atomic.Int32
+	left.Store(int32(r.c.cfg.Concurrency))
+	for range r.c.cfg.Concurrency {
+		r.wg.Go(func() {
+			for d := range deliveries {
+				s.handle(queue, d)
+			}
+			if left.Add(-1) == 0 {
+				cancelled <- queue
+			}
+		})
+	}
+}
+
+// source is d, delivered from queue on this session's channel, as a
+// consumer.Source.
+func (s *session) source(queue string, d *amqp.Delivery) *source {
+	src := &source{s: s, d: d, rec: record(queue, d), queue: queue}
+	src.spent = src.retried() + src.deliveryCount()
+	return src
 }
 
 // record is d as the record path sees it: Topic the queue, Offset the
@@ -680,6 +735,9 @@ type source struct {
 	// dbDown: the database did not answer the last attempt (counted in
 	// Consumer.dbWaits).
 	dbDown bool
+	// batch, in batch mode, collects the acknowledgements of the batch's
+	// settled messages, sent together (batchAcks).
+	batch *batchAcks
 }
 
 // retried is the HeaderAttempts of a retry's copy: the attempts spent
@@ -744,7 +802,10 @@ func (s *source) wait(d time.Duration, stop <-chan struct{}) bool {
 }
 
 // Pause waits d in its place (contention, or the database unreachable).
-func (s *source) Pause(d time.Duration) bool { return s.wait(d, nil) }
+func (s *source) Pause(d time.Duration) bool {
+	s.batch.flush()
+	return s.wait(d, nil)
+}
 
 // Retry hands the message back for its next attempt after delay: a copy
 // (HeaderAttempts the attempts spent) is published to the queue's
@@ -754,6 +815,7 @@ func (s *source) Pause(d time.Duration) bool { return s.wait(d, nil) }
 // When the copy cannot be published, the message waits here instead, in
 // its place, and runs again (true).
 func (s *source) Retry(ctx context.Context, delay time.Duration) bool {
+	s.batch.flush()
 	c, r := s.s.r.c, s.s.r
 	rq := c.cfg.RetryQueue(s.queue)
 	pctx, cancel := context.WithTimeout(ctx, brokersource.PublishTimeout)
@@ -770,7 +832,7 @@ func (s *source) Retry(ctx context.Context, delay time.Duration) bool {
 			return false
 		}
 	}
-	if err := s.d.Ack(false); err != nil {
+	if err := s.s.acks.ack(s.d.DeliveryTag); err != nil {
 		// The copy is stored: the original comes again as well, and the
 		// inbox lets one of the two apply.
 		c.cfg.Logger.Warn("oncely rabbitmq ack after the retry's copy failed; the message comes again too",
@@ -832,7 +894,11 @@ func (s *source) Settle(_ context.Context, rec *kgo.Record, deadLettered bool) b
 			return false
 		}
 	}
-	if err := s.d.Ack(false); err != nil {
+	if s.batch != nil {
+		s.batch.settled(s)
+		return true
+	}
+	if err := s.s.acks.ack(s.d.DeliveryTag); err != nil {
 		r.c.cfg.Logger.Warn("oncely rabbitmq ack failed; the message comes again and is skipped as a duplicate",
 			"queue", s.queue, "delivery_tag", s.d.DeliveryTag, "err", err)
 		return false
@@ -847,6 +913,7 @@ func (s *source) Settle(_ context.Context, rec *kgo.Record, deadLettered bool) b
 // backoff meanwhile. It gives up only when the connection is lost (the
 // message comes again) or the drain ends.
 func (s *source) PublishDeadLetter(ctx context.Context, rec *kgo.Record, info *dlq.Info) bool {
+	s.batch.flush()
 	c := s.s.r.c
 	exchange, key := c.cfg.DeadLetterExchange, c.cfg.DeadLetterRoutingKey(s.queue)
 	return brokersource.Retrier{Backoff: c.backoff, Outage: c.outage}.Publish(ctx, s.Pause, func(pctx context.Context) error {

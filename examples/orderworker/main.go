@@ -225,11 +225,8 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	if cfg.AckWait, err = positiveDuration("--ack-wait (ACK_WAIT)", *ackWait); err != nil {
 		return cfg, err
 	}
-	if cfg.Source == sourceRabbitMQ {
-		if cfg.BatchSize > 1 && (kafkaflags.Given(fs, "batch-size") || getenv("BATCH_SIZE") != "") || cfg.KeyParallelism > 1 {
-			return cfg, invalidFlag("--source (SOURCE)", errors.New("rabbitmq runs a transaction per order, 4 at once: --batch-size and --key-parallelism do not apply"))
-		}
-		cfg.BatchSize = 1
+	if cfg.Source == sourceRabbitMQ && cfg.KeyParallelism > 1 {
+		return cfg, invalidFlag("--key-parallelism (KEY_PARALLELISM)", errors.New("is Kafka's: a RabbitMQ worker runs 4 transactions (batches of --batch-size) at once"))
 	}
 	if cfg.Source == sourceJetStream && cfg.KeyParallelism > 1 {
 		return cfg, invalidFlag("--key-parallelism (KEY_PARALLELISM)", errors.New("is Kafka's: a JetStream worker runs 4 transactions (batches of --batch-size) at once"))

@@ -945,7 +945,7 @@ func TestFlags(t *testing.T) {
 		{env: map[string]string{"SOURCE": "jetstream", "KEY_PARALLELISM": "8"}, want: "--key-parallelism (KEY_PARALLELISM)"},
 		{args: []string{"--source", "jetstream", "--ack-wait", "never"}, want: "--ack-wait (ACK_WAIT)"},
 		{args: []string{"produce", "--source", "kafka-ish"}, want: "--source (SOURCE)"},
-		{args: []string{"--source", "rabbitmq", "--batch-size", "50"}, want: "--source (SOURCE)"},
+		{args: []string{"--source", "rabbitmq", "--key-parallelism", "8"}, want: "--key-parallelism (KEY_PARALLELISM)"},
 		{args: []string{"run", "-h"}, env: map[string]string{"AMQP_URL": "amqp://u:amqp-pw-77c1@127.0.0.1:5672/"}, hide: "amqp-pw-77c1"},
 		{args: []string{"--events-topic", ""}, want: "--events-topic (EVENTS_TOPIC)"},
 		{args: []string{"--topic", "x", "--events-topic", "x"}, want: "--events-topic (EVENTS_TOPIC)"},

@@ -170,14 +170,18 @@ func redactURL(raw string) string {
 }
 
 // addRabbitWorker adds the RabbitMQ consumer of the cfg.Topic queue to r,
-// as the group cfg.Group: one order per transaction, jetStreamConcurrency
-// at once (rabbitconsumer has no batch mode).
+// as the group cfg.Group: the same handlers as the Kafka consumer's, in
+// batches of --batch-size, jetStreamConcurrency transactions at once.
 func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st *store) (*rabbitconsumer.Consumer, error) {
-	c, err := rabbitconsumer.New(rabbitconsumer.Config{
+	rcfg := rabbitconsumer.Config{
 		URL: cfg.AMQPURL, Queues: []string{cfg.Topic}, Group: cfg.Group,
-		Pool: pool, Schema: cfg.Schema, Handler: st.handler(),
+		Pool: pool, Schema: cfg.Schema, Handler: st.handler(), BatchSize: cfg.BatchSize,
 		Concurrency: jetStreamConcurrency, ShutdownTimeout: shutdownTimeout - 2*time.Second,
-	})
+	}
+	if cfg.BatchSize > 1 && !cfg.RecordHandler {
+		rcfg.BatchHandler = st.batchHandler() // as on JetStream (addJetStreamWorker)
+	}
+	c, err := rabbitconsumer.New(rcfg)
 	if err != nil {
 		return nil, err
 	}

@@ -43,7 +43,14 @@ type brokerUnderTest struct {
 // another started, and in the end every order has its effects once, its
 // order.accepted event once on the events topic (in each customer's commit
 // order), and every poison message is a dead letter with its class.
-func TestJetStreamSource(t *testing.T) {
+func TestJetStreamSource(t *testing.T) { testSourceModes(t, jetStreamUnderTest) }
+
+func TestRabbitMQSource(t *testing.T) { testSourceModes(t, rabbitUnderTest) }
+
+// testSourceModes runs testSource on the broker of under with each handler
+// mode: the batch handler, the per-record handler in batches, and a
+// transaction per order.
+func testSourceModes(t *testing.T, under func(t *testing.T, topic, events string) brokerUnderTest) {
 	t.Parallel()
 	for name, extra := range map[string][]string{
 		"batch handler":  nil,
@@ -53,15 +60,9 @@ func TestJetStreamSource(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			topic, events := testTopics()
-			testSource(t, jetStreamUnderTest(t, topic, events), topic, events, extra...)
+			testSource(t, under(t, topic, events), topic, events, extra...)
 		})
 	}
-}
-
-func TestRabbitMQSource(t *testing.T) {
-	t.Parallel()
-	topic, events := testTopics()
-	testSource(t, rabbitUnderTest(t, topic, events), topic, events)
 }
 
 // testTopics are a test's own orders and events topics.
