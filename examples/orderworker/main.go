@@ -147,7 +147,7 @@ func runCmd(args []string, getenv func(string) string, stdout, stderr io.Writer)
 func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) (cfg workerConfig, err error) {
 	fs := flag.NewFlagSet("orderworker run", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker of the orders and the events: kafka; jetstream (NATS JetStream at --nats; the streams are created if missing); rabbitmq (RabbitMQ at --amqp; the queues are declared if missing; a transaction per order); the Kafka flags are unused with the others (env SOURCE)")
+	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker of the orders and the events: kafka; jetstream (NATS JetStream at --nats; the streams are created if missing); rabbitmq (RabbitMQ at --amqp; the queues are declared if missing); the Kafka flags are unused with the others (env SOURCE)")
 	fs.StringVar(&cfg.NATSURL, "nats", envOr(getenv, "NATS_URL", nats.DefaultURL), "NATS server of --source jetstream (env NATS_URL)")
 	fs.StringVar(&cfg.AMQPURL, "amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+redactURL(defaultAMQPURL)+")")
 	ackWait := fs.String("ack-wait", envOr(getenv, "ACK_WAIT", "30s"), "with --source jetstream: how long JetStream waits for an ack before delivering a message again, the time a crashed worker's messages take to come back, a Go duration (env ACK_WAIT)")
