@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -58,7 +59,14 @@ type Requests struct {
 	tracer   trace.Tracer
 	count    metric.Int64Counter
 	duration metric.Float64Histogram
+	// sets caches the measurement option of each attribute list seen
+	// (there are a few dozen: method x outcome x refusal), so that a
+	// request does not build and hash an attribute.Set.
+	sets sync.Map // setKey -> metric.MeasurementOption
 }
+
+// setKey is an attribute list of up to four attributes as a map key.
+type setKey [4]attribute.KeyValue
 
 // NewRequests creates the counter (unit {request}) and the duration
 // histogram of a Requests from mp, and its tracer from tp (nil: the
@@ -82,13 +90,38 @@ func (rq *Requests) Start(ctx context.Context, name string, attrs ...attribute.K
 // with the attributes attrs; sets attrs and spanAttrs on span, marks it
 // failed when err is not nil (error.type errType), and ends it.
 func (rq *Requests) End(ctx context.Context, span trace.Span, start time.Time, attrs, spanAttrs []attribute.KeyValue, err error, errType string) {
-	set := metric.WithAttributeSet(attribute.NewSet(attrs...))
+	set := rq.set(attrs)
 	rq.count.Add(ctx, 1, set)
 	rq.duration.Record(ctx, time.Since(start).Seconds(), set)
-	span.SetAttributes(attrs...)
-	span.SetAttributes(spanAttrs...)
+	if span.IsRecording() {
+		span.SetAttributes(attrs...)
+		span.SetAttributes(spanAttrs...)
+	}
 	if err != nil {
 		Fail(span, err, errType)
 	}
 	span.End()
+}
+
+// set returns the measurement option of attrs, cached when attrs holds
+// four attributes or fewer, each of a comparable value (strings, numbers,
+// booleans: every attribute oncely's requests carry).
+func (rq *Requests) set(attrs []attribute.KeyValue) metric.MeasurementOption {
+	if len(attrs) > len(setKey{}) {
+		return metric.WithAttributeSet(attribute.NewSet(attrs...))
+	}
+	var k setKey
+	for i, a := range attrs {
+		switch a.Value.Type() {
+		case attribute.STRING, attribute.INT64, attribute.FLOAT64, attribute.BOOL:
+		default:
+			return metric.WithAttributeSet(attribute.NewSet(attrs...))
+		}
+		k[i] = a
+	}
+	if o, ok := rq.sets.Load(k); ok {
+		return o.(metric.MeasurementOption)
+	}
+	o, _ := rq.sets.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(attrs...)))
+	return o.(metric.MeasurementOption)
 }
