@@ -3,6 +3,7 @@ package main
 import (
 	"cmp"
 	"context"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -37,12 +38,13 @@ type brokerUnderTest struct {
 }
 
 // TestJetStreamSource and TestRabbitMQSource run the worker with --source
-// jetstream and rabbitmq, with each handler mode the broker has, as a user
-// would: `produce --source` publishes orders with duplicates (the same dedup
-// id) and poison mixed in, a worker is killed (SIGKILL) mid-stream and
-// another started, and in the end every order has its effects once, its
-// order.accepted event once on the events topic (in each customer's commit
-// order), and every poison message is a dead letter with its class.
+// jetstream and rabbitmq, with each handler mode, as a user would: `produce
+// --source` publishes orders with duplicates (the same dedup id) and poison
+// mixed in, in four parts; three workers are killed (SIGKILL) mid-stream one
+// after another while the parts arrive, a fourth finishes, and in the end
+// every order has its effects once, its order.accepted event once on the
+// events topic (in each customer's commit order), and every poison message
+// is a dead letter with its class.
 func TestJetStreamSource(t *testing.T) { testSourceModes(t, jetStreamUnderTest) }
 
 func TestRabbitMQSource(t *testing.T) { testSourceModes(t, rabbitUnderTest) }
@@ -77,9 +79,19 @@ func testSource(t *testing.T, bt brokerUnderTest, topic, events string, extra ..
 	ctx := t.Context()
 	exe := workerBinary(t)
 	db := testenv.Postgres(t)
-	spec := orderSpec{Count: 600, Customers: 20, DupRate: 0.2, PoisonRate: 0.02}
+	spec := orderSpec{Count: 1200, Customers: 20, DupRate: 0.2, PoisonRate: 0.02}
 	b := generate(spec, newRand())
-	if err := bt.publish(ctx, b.Deliveries[:len(b.Deliveries)/2]); err != nil {
+	const kills = 3
+	chunk := len(b.Deliveries) / (kills + 1)
+	chunks := [][]delivery{}
+	for i := range kills + 1 {
+		end := (i + 1) * chunk
+		if i == kills {
+			end = len(b.Deliveries)
+		}
+		chunks = append(chunks, b.Deliveries[i*chunk:end])
+	}
+	if err := bt.publish(ctx, chunks[0]); err != nil {
 		t.Fatal(err)
 	}
 	logFile, err := os.Create(t.TempDir() + "/workers.log")
@@ -104,18 +116,28 @@ func testSource(t *testing.T, bt brokerUnderTest, topic, events string, extra ..
 		return p
 	}
 	q := newEffectQueries(db.Schema)
-	first := start("worker-1")
-	if err := poll(ctx, 60*time.Second, 20*time.Millisecond, "a first order applied", func(ctx context.Context) (bool, error) {
-		n, err := queryInt(ctx, db.Pool, q.countDistinct)
-		return n > 0, cmp.Or(err, alive(first))
-	}); err != nil {
-		t.Fatal(err)
+	// Workers are killed (SIGKILL: no drain, no ack of what is in flight)
+	// one after another, each once it applied orders, while the orders
+	// keep arriving; the last one finishes the stream.
+	applied := int64(0)
+	for i := range kills {
+		w := start(fmt.Sprintf("worker-%d", i+1))
+		if err := poll(ctx, 60*time.Second, 20*time.Millisecond, "orders applied by "+w.Name, func(ctx context.Context) (bool, error) {
+			n, err := queryInt(ctx, db.Pool, q.countDistinct)
+			if n > applied {
+				applied = n
+				return true, nil
+			}
+			return false, cmp.Or(err, alive(w))
+		}); err != nil {
+			t.Fatal(err)
+		}
+		w.kill()
+		if err := bt.publish(ctx, chunks[i+1]); err != nil {
+			t.Fatal(err)
+		}
 	}
-	first.kill() // SIGKILL, mid-stream: no drain, no ack of what is in flight
-	if err := bt.publish(ctx, b.Deliveries[len(b.Deliveries)/2:]); err != nil {
-		t.Fatal(err)
-	}
-	second := start("worker-2")
+	second := start(fmt.Sprintf("worker-%d", kills+1))
 	if err := poll(ctx, 90*time.Second, 50*time.Millisecond, "every order applied, every message settled, the outbox empty", func(ctx context.Context) (bool, error) {
 		if err := alive(second); err != nil {
 			return false, err
