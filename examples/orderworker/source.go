@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely"
 	"github.com/oncely/oncely/consumer"
@@ -189,42 +190,24 @@ func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st 
 }
 
 // publishRabbit publishes ds to the queue topic through the default
-// exchange, persistent and mandatory, each after the previous one's
-// publisher confirmation. The dedup id is the message_id property: RabbitMQ
-// does not deduplicate, so the duplicates reach the worker's inbox.
+// exchange with rabbitconsumer.Publisher (the relay's publisher:
+// persistent, mandatory, each after the previous one's publisher
+// confirmation). The dedup id, in the message-id header, becomes the
+// message_id property: RabbitMQ does not deduplicate, so the duplicates
+// reach the worker's inbox.
 func publishRabbit(ctx context.Context, url, topic, eventsTopic string, ds []delivery) error {
 	if err := ensureQueues(url, topic, eventsTopic); err != nil {
 		return err
 	}
-	conn, err := amqp.Dial(url)
-	if err != nil {
-		return fmt.Errorf("RabbitMQ at %s: %w", redactURL(url), err)
+	pub := &rabbitconsumer.Publisher{URL: url}
+	defer pub.Close()
+	recs := make([]*kgo.Record, len(ds))
+	for i, d := range ds {
+		recs[i] = d.record(topic)
 	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		return err
-	}
-	if err := ch.Confirm(false); err != nil {
-		return err
-	}
-	returns := ch.NotifyReturn(make(chan amqp.Return, 1))
-	for _, d := range ds {
-		rec := d.record(topic)
-		conf, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", topic, true, false, amqp.Publishing{
-			DeliveryMode: amqp.Persistent, MessageId: d.MessageID, ContentType: "application/json", Body: rec.Value,
-			Headers: amqp.Table{rabbitconsumer.HeaderKey: string(rec.Key)},
-		})
+	for _, err := range pub.Publish(ctx, recs) {
 		if err != nil {
 			return fmt.Errorf("publish to %s: %w", topic, err)
-		}
-		if ok, err := conf.WaitContext(ctx); err != nil || !ok {
-			return fmt.Errorf("publish to %s: not confirmed (%v)", topic, err)
-		}
-		select {
-		case ret := <-returns:
-			return fmt.Errorf("publish to %s: returned: %s", topic, ret.ReplyText)
-		default:
 		}
 	}
 	return nil
