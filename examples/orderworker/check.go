@@ -662,6 +662,14 @@ func checkDeadLetters(ctx context.Context, brokers []string, topic, group string
 	if err != nil {
 		return err
 	}
+	verifyDeadLetters(entries, topic, group, b, r, limit)
+	return nil
+}
+
+// verifyDeadLetters fills in r's dead-letter figures from the dead letters
+// entries read from topic (see checkDeadLetters); limit is the broker's
+// limit on a message, below which no dead letter may be a stub.
+func verifyDeadLetters(entries []dlq.Entry, topic, group string, b orderBatch, r *report, limit int) {
 	poison, orders := make(map[string]delivery), make(map[string]delivery) // by message id
 	for _, d := range b.Deliveries {
 		switch {
@@ -718,7 +726,6 @@ func checkDeadLetters(ctx context.Context, brokers []string, topic, group string
 			r.name(checkPoison, poison[id].name())
 		}
 	}
-	return nil
 }
 
 // checkDeadLetterForm checks e, the dead letter of the poison record d, and

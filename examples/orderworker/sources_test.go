@@ -166,48 +166,46 @@ func testSource(t *testing.T, bt brokerUnderTest, topic, events string, extra ..
 	if err := verifyEvents(recs, events, b, rep, limit); err != nil {
 		t.Fatal(err)
 	}
-	rep.PoisonRecords = len(b.Poison) // their inbox rows are the dead letters' (checked below)
-	requireExactlyOnce(t, rep)
-	if rep.EventIDs != len(b.Orders) || rep.EventOrders != len(b.Orders) {
-		t.Errorf("events: %d ids for %d orders, want %d each", rep.EventIDs, rep.EventOrders, len(b.Orders))
-	}
 	entries, err := bt.deadLetters(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	checkSourceDeadLetters(t, entries, topic, b)
+	maxBytes, err := limit()
+	if err != nil {
+		t.Fatal(err)
+	}
+	verifyDeadLetters(entries, topic, testGroup, b, rep, maxBytes) // also counts the poison messages' inbox rows
+	requireExactlyOnce(t, rep)
+	if rep.EventIDs != len(b.Orders) || rep.EventOrders != len(b.Orders) {
+		t.Errorf("events: %d ids for %d orders, want %d each", rep.EventIDs, rep.EventOrders, len(b.Orders))
+	}
+	checkSourceDeadLetters(t, entries, topic, b, rep)
 }
 
-// checkSourceDeadLetters requires each poison message of b among the dead
-// letters, as undecodable or permanent, and nothing else there. A poison
-// message the producer sent twice may be dead-lettered from each delivery
-// when both run at once (as checkDeadLetters allows on Kafka): the further
-// ones are copies, logged, and the inbox holds the id once (requireExactlyOnce).
-func checkSourceDeadLetters(t *testing.T, entries []dlq.Entry, topic string, b orderBatch) {
+// checkSourceDeadLetters requires what verifyDeadLetters found in rep: each
+// poison message of b among the dead letters, none missing, no order and
+// nothing else there, each a copy of its message. A poison message the
+// producer sent twice may be dead-lettered from each delivery when both run
+// at once: the further ones are copies (DeadLetterCopies, logged), and the
+// inbox holds the id once (requireExactlyOnce). Every entry must also be the
+// test group's, from topic, as undecodable or permanent.
+func checkSourceDeadLetters(t *testing.T, entries []dlq.Entry, topic string, b orderBatch, rep *report) {
 	t.Helper()
-	poison := make(map[string]bool, len(b.Poison))
-	for _, id := range b.Poison {
-		poison[id] = true
-	}
-	seen, copies := make(map[string]bool), 0
 	for _, e := range entries {
-		switch {
-		case !poison[e.Info.MessageID]:
-			t.Errorf("dead letter %s (message id %s) is not a poison message", e.Ref(), e.Info.MessageID)
-		case e.Info.Group != testGroup || e.Info.Topic != topic || (e.Info.Class != dlq.ClassUndecodable && e.Info.Class != dlq.ClassPermanent):
+		if e.Info == nil {
+			continue // counted in rep.InvalidDeadLetters
+		}
+		if e.Info.Group != testGroup || e.Info.Topic != topic || (e.Info.Class != dlq.ClassUndecodable && e.Info.Class != dlq.ClassPermanent) {
 			t.Errorf("dead letter %s: group %q, topic %q, class %q; want %q, %q, undecodable or permanent", e.Ref(), e.Info.Group, e.Info.Topic, e.Info.Class, testGroup, topic)
-		case seen[e.Info.MessageID]:
-			copies++
-		}
-		copies += e.Copies - 1
-		seen[e.Info.MessageID] = true
-	}
-	for id := range poison {
-		if !seen[id] {
-			t.Errorf("poison message %s not dead-lettered", id)
 		}
 	}
-	t.Logf("%d poison messages dead-lettered, %d further copies", len(seen), copies)
+	if rep.DeadLettered != len(b.Poison) || rep.PoisonMissing != 0 || rep.InvalidDeadLetters != 0 ||
+		rep.OrdersDeadLettered != 0 || rep.WrongDeadLetters != 0 || rep.AbortedApplied != 0 {
+		t.Errorf("dead letters: %d of %d poison messages, %d missing, %d invalid, %d orders, %d wrong, %d aborted; %v",
+			rep.DeadLettered, len(b.Poison), rep.PoisonMissing, rep.InvalidDeadLetters, rep.OrdersDeadLettered,
+			rep.WrongDeadLetters, rep.AbortedApplied, rep.violations())
+	}
+	t.Logf("%d poison messages dead-lettered, %d further copies", rep.DeadLettered, rep.DeadLetterCopies)
 	if len(b.Poison) == 0 {
 		t.Error("the batch had no poison message to check")
 	}
