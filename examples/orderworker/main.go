@@ -77,6 +77,7 @@ import (
 	"github.com/oncely/oncely/examples/orderworker/internal/testhalt"
 	"github.com/oncely/oncely/internal/kafkaflags"
 	"github.com/oncely/oncely/webhook"
+	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // Exit codes.
@@ -149,7 +150,7 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	fs.SetOutput(stderr)
 	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker of the orders and the events: kafka; jetstream (NATS JetStream at --nats; the streams are created if missing); rabbitmq (RabbitMQ at --amqp; the queues are declared if missing); the Kafka flags are unused with the others (env SOURCE)")
 	fs.StringVar(&cfg.NATSURL, "nats", envOr(getenv, "NATS_URL", nats.DefaultURL), "NATS server of --source jetstream (env NATS_URL)")
-	fs.StringVar(&cfg.AMQPURL, "amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+redactURL(defaultAMQPURL)+")")
+	fs.StringVar(&cfg.AMQPURL, "amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+outbound.RedactURL(defaultAMQPURL)+")")
 	ackWait := fs.String("ack-wait", envOr(getenv, "ACK_WAIT", "30s"), "with --source jetstream: how long JetStream waits for an ack before delivering a message again, the time a crashed worker's messages take to come back, a Go duration (env ACK_WAIT)")
 	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); empty: start an in-process kfake cluster")
 	fs.StringVar(&cfg.Topic, "topic", "orders", "topic (or subject) to consume; POST /orders and POST /webhooks/orders publish to it, through the outbox")
@@ -385,7 +386,7 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	fs.SetOutput(stderr)
 	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker to publish to: kafka, jetstream (NATS at --nats; the worker's streams are created if missing) or rabbitmq (RabbitMQ at --amqp; the worker's queues are declared if missing) (env SOURCE)")
 	natsURL := fs.String("nats", envOr(getenv, "NATS_URL", nats.DefaultURL), "NATS server of --source jetstream (env NATS_URL)")
-	amqpURL := fs.String("amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+redactURL(defaultAMQPURL)+")")
+	amqpURL := fs.String("amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+outbound.RedactURL(defaultAMQPURL)+")")
 	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); required with --source kafka")
 	topic := fs.String("topic", "orders", "topic (or subject) to produce to")
 	events := fs.String("events-topic", envOr(getenv, "EVENTS_TOPIC", "order-events"), "with --source jetstream or rabbitmq: the events subject or queue, created if missing (env EVENTS_TOPIC)")

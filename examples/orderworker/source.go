@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	neturl "net/url"
 	"strings"
 	"time"
 
@@ -19,6 +18,7 @@ import (
 	"github.com/oncely/oncely/natsconsumer"
 	"github.com/oncely/oncely/outbox"
 	"github.com/oncely/oncely/rabbitconsumer"
+	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // Sources of --source: the broker the orders come from and the events go
@@ -147,7 +147,7 @@ func publishJetStream(ctx context.Context, js jetstream.JetStream, subject strin
 func ensureQueues(url, topic, eventsTopic string) error {
 	conn, err := amqp.Dial(url)
 	if err != nil {
-		return fmt.Errorf("orderworker: RabbitMQ at %s: %w", redactURL(url), err)
+		return fmt.Errorf("orderworker: RabbitMQ at %s: %w", outbound.RedactURL(url), err)
 	}
 	defer conn.Close()
 	ch, err := conn.Channel()
@@ -160,14 +160,6 @@ func ensureQueues(url, topic, eventsTopic string) error {
 		}
 	}
 	return nil
-}
-
-// redactURL is url without its password, for messages.
-func redactURL(raw string) string {
-	if u, err := neturl.Parse(raw); err == nil {
-		return u.Redacted()
-	}
-	return "(an unparsable URL)"
 }
 
 // addRabbitWorker adds the RabbitMQ consumer of the cfg.Topic queue to r,

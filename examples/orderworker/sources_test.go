@@ -17,6 +17,7 @@ import (
 	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/natsconsumer"
 	"github.com/oncely/oncely/rabbitconsumer"
+	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // The servers of the --source jetstream and rabbitmq tests.
@@ -254,7 +255,7 @@ func jetStreamUnderTest(t *testing.T, topic, events string) brokerUnderTest {
 func rabbitUnderTest(t *testing.T, topic, events string) brokerUnderTest {
 	conn, err := amqp.Dial(amqpURL)
 	if err != nil {
-		t.Fatalf("RabbitMQ at %s: %v", redactURL(amqpURL), err)
+		t.Fatalf("RabbitMQ at %s: %v", outbound.RedactURL(amqpURL), err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	ch, err := conn.Channel()
