@@ -177,7 +177,7 @@ func reportContended(out io.Writer, o options, counts []int, runs map[string]map
 	}
 	vsHand("example default (batch) >= 10 x hand, 1 member", cmBatch, 1, 10)
 	vsHand("batch with per-record Handler >= 2 x hand, 1 member", cmBatchRecs, 1, 2)
-	oncelyModes := []string{cmOncely, cmBatchRecs, cmBatch, cmPerKey, cmBatchRecsNoCK, cmPerKeyNoCK}
+	oncelyModes := []string{cmOncely, cmBatchRecs, cmBatch, cmPerKey, cmBatchRecsNoCK, cmPerKeyNoCK, cmBatchCK}
 	for _, n := range counts {
 		for _, m := range oncelyModes {
 			if len(runs[m][n]) > 0 {

@@ -106,7 +106,13 @@ type Config struct {
 	// Without it, handlers that write shared rows in differing orders can
 	// deadlock; Postgres fails one of them after deadlock_timeout (1s by
 	// default) and the record runs again (see Stats.Contention), so nothing is
-	// lost or dead-lettered, but the seconds are lost. Default: none.
+	// lost or dead-lettered, but the seconds are lost. A BatchHandler that
+	// writes the shared rows in one global order (each row once, sorted by
+	// key, as a set-based upsert with ORDER BY does; outbox.Enqueue then
+	// locks its keys sorted too) cannot deadlock with another batch and
+	// needs no keys: its batches wait at most for each other's commit, while
+	// with keys, batches sharing a row take turns from their first
+	// statement. Default: none.
 	ConflictKeys func(msg *Message) []string
 	// BatchLockTimeout bounds, in batch mode without ConflictKeys, how long
 	// a statement of a batch waits for a lock (SET LOCAL lock_timeout, sent

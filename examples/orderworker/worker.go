@@ -212,6 +212,12 @@ func (s *store) handler() consumer.Handler { return consumer.JSON(s.apply) }
 // turns instead of deadlocking on the balance rows (and on the outbox's
 // per-customer lock). A value that does not decode names no key: the
 // handler dead-letters it.
+//
+// Only the per-record handler needs them: in a batch of its records, or in
+// transactions of one record each run side by side, customers are written
+// in the order the records come. applyBatch writes each customer once, in
+// customer order, and then the outbox locks its customers in sorted order:
+// two of its batches can wait on each other's commit, never on each other.
 func conflictKeys(msg *consumer.Message) []string {
 	o, err := consumer.DecodeJSON[Order](msg.Value)
 	if err != nil || o.CustomerID == "" {
@@ -226,7 +232,7 @@ func conflictKeys(msg *consumer.Message) []string {
 func (s *store) batchHandler() consumer.BatchHandler { return s.applyBatch }
 
 // applyBatch runs inside the transaction whose first statement claimed the
-// ids of every message of msgs in the inbox (and locked their customers):
+// ids of every message of msgs in the inbox:
 // one statement inserts all their order rows, one adds to each customer's
 // balance once, in customer order, and one enqueues all their events. A
 // message that does not decode, or whose order is invalid, is set aside with
@@ -511,14 +517,17 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		stats = w.Stats
 	default:
 		ccfg := consumer.Config{
-			Topics: []string{cfg.Topic}, Group: cfg.Group, ConflictKeys: conflictKeys,
+			Topics: []string{cfg.Topic}, Group: cfg.Group,
 			BatchSize: cfg.BatchSize, KeyParallelism: cfg.KeyParallelism, InstanceID: cfg.InstanceID,
 			SessionTimeout: cfg.SessionTimeout, RebalanceTimeout: cfg.RebalanceTimeout,
 		}
 		if cfg.BatchSize > 1 && !cfg.RecordHandler {
+			// No conflict keys: applyBatch writes the shared rows in
+			// customer order, so its batches never deadlock, and keys
+			// would make whole batches take turns.
 			ccfg.BatchHandler = st.batchHandler()
 		} else {
-			ccfg.Handler = st.handler()
+			ccfg.Handler, ccfg.ConflictKeys = st.handler(), conflictKeys
 		}
 		c, err := r.AddConsumer(ccfg)
 		if err != nil {
