@@ -387,6 +387,9 @@ func (e *env) runContendedMode(ctx context.Context, mode string, members int) cr
 		s = oncely("oncely batch (example)", "BatchSize "+bs+", set-based BatchHandler", co.batchN, conns, mode == cmBatchCK,
 			func(cfg *consumer.Config, c *cdb) {
 				cfg.BatchSize = co.batchSize
+				if mode == cmBatch {
+					cfg.BatchLockTimeout = -1 // as the example: its waits end at a commit
+				}
 				cfg.BatchHandler = func(ctx context.Context, tx pgx.Tx, msgs []*consumer.Message) error {
 					orders := make([]orderload.Order, len(msgs))
 					srcs := make([]orderload.Source, len(msgs))

@@ -110,9 +110,9 @@ type Config struct {
 	// writes the shared rows in one global order (each row once, sorted by
 	// key, as a set-based upsert with ORDER BY does; outbox.Enqueue then
 	// locks its keys sorted too) cannot deadlock with another batch and
-	// needs no keys: its batches wait at most for each other's commit, while
-	// with keys, batches sharing a row take turns from their first
-	// statement. Default: none.
+	// needs no keys (and no BatchLockTimeout: set it negative): its batches
+	// wait at most for each other's commit, while with keys, batches sharing
+	// a row take turns from their first statement. Default: none.
 	ConflictKeys func(msg *Message) []string
 	// BatchLockTimeout bounds, in batch mode without ConflictKeys, how long
 	// a statement of a batch waits for a lock (SET LOCAL lock_timeout, sent

@@ -524,8 +524,13 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		if cfg.BatchSize > 1 && !cfg.RecordHandler {
 			// No conflict keys: applyBatch writes the shared rows in
 			// customer order, so its batches never deadlock, and keys
-			// would make whole batches take turns.
+			// would make whole batches take turns. For the same reason its
+			// lock waits need no bound: a wait lasts until the batch
+			// ahead commits (and a deadlock, should another writer of
+			// these rows cause one, is still broken by Postgres and
+			// retried as contention).
 			ccfg.BatchHandler = st.batchHandler()
+			ccfg.BatchLockTimeout = -1
 		} else {
 			ccfg.Handler, ccfg.ConflictKeys = st.handler(), conflictKeys
 		}
