@@ -119,12 +119,12 @@ func jetStreamRelay(js jetstream.JetStream) *outbox.RelayConfig {
 	return &outbox.RelayConfig{Publisher: natsconsumer.JetStreamPublisher{JetStream: js}}
 }
 
-// publishJetStream publishes ds to subject, each waiting for its PubAck.
-// The dedup id travels in the message-id header, not Nats-Msg-Id: the
-// stream's duplicate window would drop the duplicates before the worker's
-// inbox could show it deduplicates them.
-func publishJetStream(ctx context.Context, js jetstream.JetStream, subject string, ds []delivery) error {
-	for _, d := range ds {
+// jetStreamPublish returns a function that publishes a delivery to
+// subject and waits for its PubAck. The dedup id travels in the message-id
+// header, not Nats-Msg-Id: the stream's duplicate window would drop the
+// duplicates before the worker's inbox could show it deduplicates them.
+func jetStreamPublish(js jetstream.JetStream, subject string) func(context.Context, delivery) error {
+	return func(ctx context.Context, d delivery) error {
 		rec := d.record(subject)
 		m := nats.NewMsg(subject)
 		m.Data = rec.Value
@@ -133,8 +133,8 @@ func publishJetStream(ctx context.Context, js jetstream.JetStream, subject strin
 		if _, err := js.PublishMsg(ctx, m); err != nil {
 			return fmt.Errorf("publish to %s: %w", subject, err)
 		}
+		return nil
 	}
-	return nil
 }
 
 // ensureQueues declares the worker's RabbitMQ queues where they do not
@@ -184,23 +184,20 @@ func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st 
 // publishRabbit publishes ds to the queue topic through the default
 // exchange with rabbitconsumer.Publisher (the relay's publisher:
 // persistent, mandatory, each after the previous one's publisher
-// confirmation). The dedup id, in the message-id header, becomes the
-// message_id property: RabbitMQ does not deduplicate, so the duplicates
-// reach the worker's inbox.
-func publishRabbit(ctx context.Context, url, topic, eventsTopic string, ds []delivery) error {
+// confirmation), paced and retried as o says (publishEach), and returns
+// how many publishes were repeats after a failure. The dedup id, in the
+// message-id header, becomes the message_id property: RabbitMQ does not
+// deduplicate, so the duplicates reach the worker's inbox.
+func publishRabbit(ctx context.Context, url, topic, eventsTopic string, ds []delivery, o publishOpts) (int, error) {
 	if err := ensureQueues(url, topic, eventsTopic); err != nil {
-		return err
+		return 0, err
 	}
 	pub := &rabbitconsumer.Publisher{URL: url}
 	defer pub.Close()
-	recs := make([]*kgo.Record, len(ds))
-	for i, d := range ds {
-		recs[i] = d.record(topic)
-	}
-	for _, err := range pub.Publish(ctx, recs) {
-		if err != nil {
+	return publishEach(ctx, ds, o, func(ctx context.Context, d delivery) error {
+		if err := pub.Publish(ctx, []*kgo.Record{d.record(topic)})[0]; err != nil {
 			return fmt.Errorf("publish to %s: %w", topic, err)
 		}
-	}
-	return nil
+		return nil
+	})
 }
