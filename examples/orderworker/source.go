@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"time"
 
@@ -92,13 +93,15 @@ type jetStreamWorker struct {
 }
 
 // addJetStreamWorker adds the JetStream consumer of cfg.Topic's stream to
-// r, as the durable cfg.Group.
-func addJetStreamWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, js jetstream.JetStream, st *store) (*jetStreamWorker, error) {
+// r, as the durable cfg.Group, logging to log and reporting to tel's
+// providers as the Kafka consumer does through the runner.
+func addJetStreamWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, js jetstream.JetStream, st *store, log *slog.Logger, tel *telemetry) (*jetStreamWorker, error) {
 	stream := streamName(cfg.Topic)
 	ncfg := natsconsumer.Config{
 		JetStream: js, Stream: stream, Durable: cfg.Group,
 		Pool: pool, Schema: cfg.Schema, Handler: st.handler(), BatchSize: cfg.BatchSize,
 		Concurrency: jetStreamConcurrency, AckWait: cfg.AckWait, ShutdownTimeout: shutdownTimeout - 2*time.Second,
+		Logger: log, TracerProvider: tel.tracerProvider, MeterProvider: tel.meterProvider,
 	}
 	if cfg.BatchSize > 1 && !cfg.RecordHandler {
 		// The set-based handler, as on Kafka: it takes each customer's
@@ -164,12 +167,14 @@ func ensureQueues(url, topic, eventsTopic string) error {
 
 // addRabbitWorker adds the RabbitMQ consumer of the cfg.Topic queue to r,
 // as the group cfg.Group: the same handlers as the Kafka consumer's, in
-// batches of --batch-size, jetStreamConcurrency transactions at once.
-func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st *store) (*rabbitconsumer.Consumer, error) {
+// batches of --batch-size, jetStreamConcurrency transactions at once,
+// logging to log and reporting to tel's providers.
+func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st *store, log *slog.Logger, tel *telemetry) (*rabbitconsumer.Consumer, error) {
 	rcfg := rabbitconsumer.Config{
 		URL: cfg.AMQPURL, Queues: []string{cfg.Topic}, Group: cfg.Group,
 		Pool: pool, Schema: cfg.Schema, Handler: st.handler(), BatchSize: cfg.BatchSize,
 		Concurrency: jetStreamConcurrency, ShutdownTimeout: shutdownTimeout - 2*time.Second,
+		Logger: log, TracerProvider: tel.tracerProvider, MeterProvider: tel.meterProvider,
 	}
 	if cfg.BatchSize > 1 && !cfg.RecordHandler {
 		rcfg.BatchHandler = st.batchHandler() // as on JetStream (addJetStreamWorker)
