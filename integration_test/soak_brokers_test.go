@@ -28,7 +28,7 @@ var brokerSoakModes = [][]string{{}, {"--handler", "record"}, {"--batch-size", "
 const (
 	faultBrokerCut     = "connections cut (proxy)"
 	faultBrokerStall   = "connections stalled (proxy)"
-	faultBrokerRestart = "broker restarts (SIGKILL, then started on the same store)"
+	faultBrokerRestart = "broker restarts (SIGKILL, 1-5 s down, started on the same store)"
 )
 
 var brokerFaultKinds = []string{faultBrokerCut, faultBrokerStall, faultBrokerRestart}
@@ -44,9 +44,9 @@ type soakBroker struct {
 	addr    string // the server's host:port, which the proxy forwards to
 	urlFlag string // --nats or --amqp
 	scheme  string // of the URL: nats:// or amqp://guest:guest@
-	// restart kills the server with SIGKILL and starts it again on the
+	// kill kills the server with SIGKILL; start starts it again on the
 	// same store and port, returning once it accepts connections.
-	restart func() error
+	kill, start func() error
 	// workerArgs are the worker's extra flags; produceArgs and checkArgs
 	// the producer's and the check's.
 	workerArgs, produceArgs, checkArgs []string
@@ -79,10 +79,11 @@ func TestSoakJetStream(t *testing.T) {
 	srv := newNATSServer(t)
 	testSoakBroker(t, soakBroker{
 		name: "jetstream", addr: strings.TrimPrefix(srv.url(), "nats://"), urlFlag: "--nats", scheme: "nats://",
-		restart: func() error {
+		kill: func() error {
 			srv.kill()
-			return srv.tryStart()
+			return nil
 		},
+		start: srv.tryStart,
 		// A killed worker's messages come back after the ack wait.
 		workerArgs: []string{"--ack-wait", "2s"},
 		started:    `msg="oncely nats consumer started"`,
@@ -95,10 +96,8 @@ func TestSoakRabbitMQ(t *testing.T) {
 	history := filepath.Join(t.TempDir(), "history.jsonl")
 	testSoakBroker(t, soakBroker{
 		name: "rabbitmq", addr: fmt.Sprintf("127.0.0.1:%d", srv.port), urlFlag: "--amqp", scheme: "amqp://guest:guest@",
-		restart: func() error {
-			if err := srv.crash(); err != nil {
-				return err
-			}
+		kill: srv.crash,
+		start: func() error {
 			if err := srv.start(); err != nil {
 				return err
 			}
@@ -188,10 +187,11 @@ func (s *brokerSoak) connectionChaos(ctx context.Context) {
 	}
 }
 
-// restartChaos kills the broker and starts it again on the same store,
-// once per brokerRestartEvery of chaos (at least once), each at a random
-// time in its share of the first 80% of the chaos, so that the workers
-// also run for a while after the last restart.
+// restartChaos kills the broker, leaves it down for 1 to 5 s (the workers
+// and the producer meet refused connections), and starts it again on the
+// same store, once per brokerRestartEvery of chaos (at least once), each at
+// a random time in its share of the first 80% of the chaos, so that the
+// workers also run for a while after the last restart.
 func (s *brokerSoak) restartChaos(ctx context.Context) {
 	rng := rand.New(rand.NewPCG(s.seed, 4))
 	n := max(1, int(s.duration/brokerRestartEvery))
@@ -202,10 +202,18 @@ func (s *brokerSoak) restartChaos(ctx context.Context) {
 		if !wait(ctx, time.Until(start.Add(at))) {
 			return
 		}
-		s.note("%s: killing the broker", faultBrokerRestart)
+		down := between(rng, time.Second, 5*time.Second)
+		s.note("%s: killing the broker for %s", faultBrokerRestart, down.Round(time.Millisecond))
 		began := time.Now()
-		if err := s.broker.restart(); err != nil {
-			s.t.Errorf("restart the %s broker: %v", s.broker.name, err)
+		if err := s.broker.kill(); err != nil {
+			s.t.Errorf("kill the %s broker: %v", s.broker.name, err)
+			return
+		}
+		// The broker stays down for down whatever the chaos does
+		// meanwhile: the test must not end with it dead.
+		time.Sleep(time.Until(began.Add(down))) // the outage's length, not a wait for an event
+		if err := s.broker.start(); err != nil {
+			s.t.Errorf("start the %s broker again: %v", s.broker.name, err)
 			return
 		}
 		s.countFault(faultBrokerRestart, 1)
