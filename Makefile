@@ -45,7 +45,7 @@ test-crashpoints:
 
 ## test-soak: the chaos soaks (docs/RELIABILITY.md), one after the other: TestSoak on Kafka
 ## (orderworker processes killed, stopped and restarted while broker and database faults are
-## injected), then TestSoakJetStream and TestSoakRabbitMQ (the same processes on a nats-server and
+## injected), and TestSoakJetStream and TestSoakRabbitMQ (the same processes on a nats-server and
 ## a RabbitMQ node of the test's own, their connections cut and stalled at a proxy and the broker
 ## killed and started again on the same store); each checks the whole history. ONCELY_SOAK_DURATION
 ## sets the length of each one's chaos (default 60s; a long run needs SOAK_TIMEOUT of three times
