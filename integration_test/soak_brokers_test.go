@@ -28,7 +28,7 @@ var brokerSoakModes = [][]string{{}, {"--handler", "record"}, {"--batch-size", "
 const (
 	faultBrokerCut     = "connections cut (proxy)"
 	faultBrokerStall   = "connections stalled (proxy)"
-	faultBrokerRestart = "broker restarts (SIGKILL, 1-5 s down, started on the same store)"
+	faultBrokerRestart = "broker restarts (SIGKILL, down 1-5 s, same store)"
 )
 
 var brokerFaultKinds = []string{faultBrokerCut, faultBrokerStall, faultBrokerRestart}
@@ -253,10 +253,10 @@ func (s *brokerSoak) report(rep *soakReport, p soakProduced) {
 	fmt.Fprintf(&b, "  publishes repeated          %d (after a failed publish: the broker restarting)\n", p.repeated)
 	for _, k := range brokerFaultKinds {
 		if k == faultBrokerCut {
-			fmt.Fprintf(&b, "  %-58s %d (%d %s)\n", k, s.faults[k], s.faults[connectionsCut], connectionsCut)
+			fmt.Fprintf(&b, "  %-49s %d (%d %s)\n", k, s.faults[k], s.faults[connectionsCut], connectionsCut)
 			continue
 		}
-		fmt.Fprintf(&b, "  %-58s %d\n", k, s.faults[k])
+		fmt.Fprintf(&b, "  %-49s %d\n", k, s.faults[k])
 	}
 	s.figuresTail(&b, rep)
 	s.violationFigures(&b)
