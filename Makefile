@@ -43,17 +43,22 @@ test-crashpoints:
 	ONCELY_CONSUMER_MODE=batch $(GO) test -race -count=2 -timeout 20m -run 'Crash|Zombie' ./integration_test/
 	ONCELY_CONSUMER_MODE=perkey $(GO) test -race -count=2 -timeout 20m -run 'Crash|Zombie' ./integration_test/
 
-## test-soak: the chaos soak (docs/RELIABILITY.md): orderworker processes killed, stopped and
-## restarted while broker and database faults are injected, then the whole history checked.
-## ONCELY_SOAK_DURATION sets the length of the chaos (default 60s), ONCELY_SOAK_SEED replays a
-## run's schedule, ONCELY_SOAK_LOGS keeps the processes' logs. Without -race: the workers are
-## separate processes, and the test process hosts the brokers, which -race would slow down.
+## test-soak: the chaos soaks (docs/RELIABILITY.md), one after the other: TestSoak on Kafka
+## (orderworker processes killed, stopped and restarted while broker and database faults are
+## injected), and TestSoakJetStream and TestSoakRabbitMQ (the same processes on a nats-server and
+## a RabbitMQ node of the test's own, their connections cut and stalled at a proxy and the broker
+## killed and started again on the same store); each checks the whole history. ONCELY_SOAK_DURATION
+## sets the length of each one's chaos (default 60s; a long run needs SOAK_TIMEOUT of three times
+## the duration plus 20m), ONCELY_SOAK_SEED replays a run's schedules, ONCELY_SOAK_LOGS keeps the
+## processes' logs (the broker soaks' in its subdirectories jetstream/ and rabbitmq/). Without
+## -race: the workers are separate processes, and the test process hosts the Kafka brokers, which
+## -race would slow down.
 ONCELY_SOAK_DURATION ?= 60s
 ONCELY_SOAK_SEED ?=
 SOAK_TIMEOUT ?= 30m
 test-soak:
 	ONCELY_SOAK=1 ONCELY_SOAK_DURATION=$(ONCELY_SOAK_DURATION) ONCELY_SOAK_SEED=$(ONCELY_SOAK_SEED) \
-		$(GO) test -count=1 -v -timeout $(SOAK_TIMEOUT) -run '^TestSoak$$' ./integration_test/
+		$(GO) test -count=1 -v -timeout $(SOAK_TIMEOUT) -run '^TestSoak(JetStream|RabbitMQ)?$$' ./integration_test/
 
 ## test-containers: the integration suite with DATABASE_URL unset, every Postgres
 ## started by testcontainers-go through podman (needs root: installs podman, runc

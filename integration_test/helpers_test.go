@@ -342,3 +342,21 @@ func (e *env) waitForBlockedClaim(t *testing.T) {
 		return e.count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1`, pattern) > 0
 	})
 }
+
+// pollFor calls cond every 100ms until it returns true, up to timeout;
+// past it, an error naming what. For goroutines other than the test's,
+// which may not fail the test with Fatal.
+func pollFor(timeout time.Duration, what string, cond func() bool) error {
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
+		select {
+		case <-deadline.C:
+			return fmt.Errorf("waited %s for %s", timeout, what)
+		case <-tick.C:
+		}
+	}
+	return nil
+}

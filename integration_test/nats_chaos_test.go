@@ -209,6 +209,8 @@ type natsServer struct {
 	t    *testing.T
 	dir  string
 	port int
+
+	mu   sync.Mutex
 	cmd  *exec.Cmd
 	done chan struct{}
 	out  bytes.Buffer
@@ -236,24 +238,37 @@ func (s *natsServer) url() string { return "nats://127.0.0.1:" + strconv.Itoa(s.
 // start runs the server and waits until it accepts connections.
 func (s *natsServer) start() {
 	s.t.Helper()
+	if err := s.tryStart(); err != nil {
+		s.t.Fatal(err)
+	}
+}
+
+// tryStart is start returning its error, for a goroutine other than the
+// test's.
+func (s *natsServer) tryStart() error {
+	s.mu.Lock()
 	s.out.Reset()
 	s.cmd = exec.Command(natsServerBinary, "-js", "-sd", s.dir, "-p", strconv.Itoa(s.port), "-a", "127.0.0.1")
 	s.cmd.Stdout, s.cmd.Stderr = &s.out, &s.out
 	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := s.cmd.Start(); err != nil {
-		s.t.Fatal(err)
+		s.mu.Unlock()
+		return err
 	}
 	done := make(chan struct{})
 	s.done = done
 	cmd := s.cmd
+	s.mu.Unlock()
 	go func() {
 		_ = cmd.Wait()
 		close(done)
 	}()
-	testenv.Eventually(s.t, 30*time.Second, "nats-server to accept connections", func() bool {
+	exited := false
+	err := pollFor(30*time.Second, "nats-server to accept connections", func() bool {
 		select {
 		case <-done:
-			s.t.Fatalf("nats-server exited: %s", s.out.String())
+			exited = true
+			return true
 		default:
 		}
 		nc, err := nats.Connect(s.url(), nats.MaxReconnects(0), nats.Timeout(time.Second))
@@ -268,16 +283,25 @@ func (s *natsServer) start() {
 		_, err = js.AccountInfo(s.t.Context())
 		return err == nil
 	})
+	if exited {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return fmt.Errorf("nats-server exited: %s", s.out.String())
+	}
+	return err
 }
 
 // kill ends the server with SIGKILL and waits for it.
 func (s *natsServer) kill() {
-	if s.cmd == nil {
+	s.mu.Lock()
+	cmd, done := s.cmd, s.done
+	s.cmd = nil
+	s.mu.Unlock()
+	if cmd == nil {
 		return
 	}
-	_ = s.cmd.Process.Signal(syscall.SIGKILL)
-	<-s.done
-	s.cmd = nil
+	_ = cmd.Process.Signal(syscall.SIGKILL)
+	<-done
 }
 
 // reconnecting is a connection to url that reconnects without limit.

@@ -3,12 +3,15 @@ package integration_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -21,14 +24,19 @@ import (
 const rabbitServerBinary = "/usr/sbin/rabbitmq-server"
 
 // rabbitServer is a RabbitMQ node of a test's own, on ports and in a
-// directory of its own: the test can stop its application without
-// disturbing the shared RabbitMQ that other tests and processes use.
+// directory of its own: the test can stop its application, or kill the
+// node and start it again on the same directory, without disturbing the
+// shared RabbitMQ that other tests and processes use.
 type rabbitServer struct {
-	t    *testing.T
-	name string // the Erlang node name
-	port int
-	dir  string
+	t        *testing.T
+	name     string // the Erlang node name
+	port     int
+	distPort int
+	dir      string
+
+	mu   sync.Mutex
 	cmd  *exec.Cmd
+	done chan struct{} // closed once cmd exited
 	out  bytes.Buffer
 }
 
@@ -52,7 +60,7 @@ func newRabbitServer(t *testing.T) *rabbitServer {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	s := &rabbitServer{t: t, name: "oncely-" + strconv.Itoa(ports[0]) + "@localhost", port: ports[0], dir: dir}
+	s := &rabbitServer{t: t, name: "oncely-" + strconv.Itoa(ports[0]) + "@localhost", port: ports[0], distPort: ports[1], dir: dir}
 	for _, f := range []struct{ name, text string }{
 		{"enabled_plugins", "[].\n"},
 		{"rabbitmq.conf", "listeners.tcp.default = 127.0.0.1:" + strconv.Itoa(s.port) + "\n"},
@@ -64,53 +72,108 @@ func newRabbitServer(t *testing.T) *rabbitServer {
 	if out, err := exec.CommandContext(t.Context(), "chown", "-R", "rabbitmq", dir).CombinedOutput(); err != nil {
 		t.Fatalf("chown %s to the rabbitmq user: %v: %s", dir, err, out)
 	}
-	// Stopped by rabbitmqctl at the end (a killed script would leave the
-	// node, which runs as another user, behind).
-	s.cmd = exec.CommandContext(context.WithoutCancel(t.Context()), rabbitServerBinary)
-	s.cmd.Env = append(os.Environ(),
-		"RABBITMQ_NODENAME="+s.name, "RABBITMQ_NODE_PORT="+strconv.Itoa(s.port), "RABBITMQ_DIST_PORT="+strconv.Itoa(ports[1]),
-		"RABBITMQ_MNESIA_BASE="+dir+"/mnesia", "RABBITMQ_MNESIA_DIR="+dir+"/mnesia/node", "RABBITMQ_LOG_BASE="+dir+"/log",
-		"RABBITMQ_ENABLED_PLUGINS_FILE="+dir+"/enabled_plugins", "RABBITMQ_CONFIG_FILE="+dir+"/rabbitmq.conf",
-		"RABBITMQ_PID_FILE="+dir+"/pid", "RABBITMQ_FEATURE_FLAGS_FILE="+dir+"/feature_flags",
-		"RABBITMQ_PLUGINS_EXPAND_DIR="+dir+"/plugins", "RABBITMQ_QUORUM_DIR="+dir+"/quorum", "RABBITMQ_STREAM_DIR="+dir+"/stream")
-	s.cmd.Stdout, s.cmd.Stderr = &s.out, &s.out
-	if err := s.cmd.Start(); err != nil {
+	if err := s.start(); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan struct{})
-	go func() { _ = s.cmd.Wait(); close(done) }()
 	t.Cleanup(func() {
-		s.ctl("stop") // the whole node, and the helpers it started
+		s.mu.Lock()
+		done := s.done
+		s.mu.Unlock()
+		if err := s.tryCtl("stop"); err != nil { // the whole node, and the helpers it started
+			t.Error(err)
+		}
 		select {
 		case <-done:
 		case <-time.After(30 * time.Second):
 			t.Errorf("RabbitMQ node %s did not stop", s.name)
 		}
 	})
-	s.waitUp()
+	if err := s.waitUp(60 * time.Second); err != nil {
+		t.Fatal(err)
+	}
 	return s
+}
+
+// start runs the node on s's ports and directory; waitUp waits for it.
+// Stopped by rabbitmqctl at the end (a killed script would leave the node,
+// which runs as another user, behind).
+func (s *rabbitServer) start() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	dir := s.dir
+	s.out.Reset()
+	s.cmd = exec.CommandContext(context.WithoutCancel(s.t.Context()), rabbitServerBinary)
+	s.cmd.Env = append(os.Environ(),
+		"RABBITMQ_NODENAME="+s.name, "RABBITMQ_NODE_PORT="+strconv.Itoa(s.port), "RABBITMQ_DIST_PORT="+strconv.Itoa(s.distPort),
+		"RABBITMQ_MNESIA_BASE="+dir+"/mnesia", "RABBITMQ_MNESIA_DIR="+dir+"/mnesia/node", "RABBITMQ_LOG_BASE="+dir+"/log",
+		"RABBITMQ_ENABLED_PLUGINS_FILE="+dir+"/enabled_plugins", "RABBITMQ_CONFIG_FILE="+dir+"/rabbitmq.conf",
+		"RABBITMQ_PID_FILE="+dir+"/pid", "RABBITMQ_FEATURE_FLAGS_FILE="+dir+"/feature_flags",
+		"RABBITMQ_PLUGINS_EXPAND_DIR="+dir+"/plugins", "RABBITMQ_QUORUM_DIR="+dir+"/quorum", "RABBITMQ_STREAM_DIR="+dir+"/stream")
+	s.cmd.Stdout, s.cmd.Stderr = &s.out, &s.out
+	if err := s.cmd.Start(); err != nil {
+		return fmt.Errorf("start RabbitMQ node %s: %w", s.name, err)
+	}
+	done := make(chan struct{})
+	s.done = done
+	cmd := s.cmd
+	go func() { _ = cmd.Wait(); close(done) }()
+	return nil
+}
+
+// crash kills the node's Erlang VM with SIGKILL (no chance to close a
+// connection or a file) and waits for its script to exit.
+func (s *rabbitServer) crash() error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "rabbitmqctl", "-n", s.name, "eval", "os:getpid().").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("the pid of RabbitMQ node %s: %v: %s", s.name, err, out)
+	}
+	pid, err := strconv.Atoi(strings.Trim(strings.TrimSpace(string(out)), `"`))
+	if err != nil {
+		return fmt.Errorf("the pid of RabbitMQ node %s: %q", s.name, out)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		return fmt.Errorf("kill RabbitMQ node %s (pid %d): %w", s.name, pid, err)
+	}
+	s.mu.Lock()
+	done := s.done
+	s.mu.Unlock()
+	select {
+	case <-done:
+		return nil
+	case <-time.After(30 * time.Second):
+		return fmt.Errorf("RabbitMQ node %s: its script did not exit within 30s of the VM's SIGKILL", s.name)
+	}
 }
 
 func (s *rabbitServer) url() string {
 	return "amqp://guest:guest@127.0.0.1:" + strconv.Itoa(s.port) + "/"
 }
 
-// ctl runs rabbitmqctl on the node (also from a cleanup, after the test's
-// context ended).
+// ctl runs rabbitmqctl on the node, failing the test if it fails.
 func (s *rabbitServer) ctl(args ...string) {
 	s.t.Helper()
+	if err := s.tryCtl(args...); err != nil {
+		s.t.Fatal(err)
+	}
+}
+
+// tryCtl runs rabbitmqctl on the node (also from a cleanup, after the
+// test's context ended).
+func (s *rabbitServer) tryCtl(args ...string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, "rabbitmqctl", append([]string{"-n", s.name}, args...)...).CombinedOutput()
 	if err != nil {
-		s.t.Fatalf("rabbitmqctl %s on %s: %v: %s", strings.Join(args, " "), s.name, err, out)
+		return fmt.Errorf("rabbitmqctl %s on %s: %v: %s", strings.Join(args, " "), s.name, err, out)
 	}
+	return nil
 }
 
-// waitUp waits until the node accepts AMQP connections.
-func (s *rabbitServer) waitUp() {
-	s.t.Helper()
-	testenv.Eventually(s.t, 60*time.Second, "the RabbitMQ node to accept connections", func() bool {
+// waitUp waits up to timeout until the node accepts AMQP connections.
+func (s *rabbitServer) waitUp(timeout time.Duration) error {
+	err := pollFor(timeout, "RabbitMQ node "+s.name+" to accept connections", func() bool {
 		conn, err := amqp.Dial(s.url())
 		if err != nil {
 			return false
@@ -118,6 +181,12 @@ func (s *rabbitServer) waitUp() {
 		_ = conn.Close()
 		return true
 	})
+	if err != nil {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return fmt.Errorf("%w; its output:\n%s", err, s.out.String())
+	}
+	return nil
 }
 
 // The consumer's RabbitMQ node stops its application (rabbitmqctl
@@ -159,7 +228,9 @@ func TestRabbitServerRestart(t *testing.T) {
 			close(g.gate[0]) // the transaction commits; its ack cannot reach RabbitMQ now
 
 			srv.ctl("start_app")
-			srv.waitUp()
+			if err := srv.waitUp(60 * time.Second); err != nil {
+				t.Fatal(err)
+			}
 			testenv.Eventually(t, 30*time.Second, "the consumer ready again after the restart", r.c.Ready)
 			e.conn = rabbitConnTo(t, srv.url()) // the test's own connection closed with the application
 			for i := range after {

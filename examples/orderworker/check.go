@@ -22,6 +22,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -29,22 +30,28 @@ import (
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/kafkaflags"
 	"github.com/oncely/oncely/internal/topicread"
+	"github.com/oncely/oncely/webhook/outbound"
 )
 
 // checkCmd checks a deployment's history, once its workers have caught up:
-// every record on the orders topic against the database, the events topic
-// and the dead-letter topic. It prints the report and exits 1 if a check
+// every record on the orders topic (with --source rabbitmq: every record of
+// the producer's history file) against the database, the events topic and
+// the dead-letter topic. It prints the report and exits 1 if a check
 // failed.
 func checkCmd(args []string, getenv func(string) string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("orderworker check", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); required")
-	topic := fs.String("topic", "orders", "the orders topic; its dead letters are on <topic>.dlq")
+	source := fs.String("source", envOr(getenv, "SOURCE", sourceKafka), "broker of the orders, the events and the dead letters: kafka, jetstream (NATS at --nats) or rabbitmq (RabbitMQ at --amqp, with --history) (env SOURCE)")
+	natsURL := fs.String("nats", envOr(getenv, "NATS_URL", nats.DefaultURL), "NATS server of --source jetstream (env NATS_URL)")
+	amqpURL := fs.String("amqp", "", "RabbitMQ of --source rabbitmq (env AMQP_URL; default "+outbound.RedactURL(defaultAMQPURL)+")")
+	history := fs.String("history", "", "with --source rabbitmq, required: the file `produce --history` wrote, what was published (a queue keeps no history)")
+	brokers := fs.String("brokers", getenv("KAFKA_BROKERS"), "comma-separated seed brokers (env KAFKA_BROKERS); required with --source kafka")
+	topic := fs.String("topic", "orders", "the orders topic (or subject, or queue); its dead letters are on <topic>.dlq (dlq.<topic> on JetStream)")
 	events := fs.String("events-topic", envOr(getenv, "EVENTS_TOPIC", "order-events"), "topic of the order.accepted events (env EVENTS_TOPIC)")
 	dbURL := fs.String("database-url", "", "Postgres URL (env DATABASE_URL; default "+defaultDatabaseURL+")")
 	group := fs.String("group", envOr(getenv, "CONSUMER_GROUP", "orderworker"), "the workers' consumer group (env CONSUMER_GROUP)")
 	schema := fs.String("schema", envOr(getenv, "ONCELY_SCHEMA", "orderworker"), "the workers' schema (env ONCELY_SCHEMA)")
-	wait := fs.Duration("wait", 0, "first wait, up to this long, until the group's committed offsets reached the end of the topic and the outbox is empty")
+	wait := fs.Duration("wait", 0, "first wait, up to this long, until the group caught up with the orders (its committed offsets at the end of the topic; on JetStream nothing pending nor waiting for an ack; on RabbitMQ empty queues and an inbox row for every message id) and the outbox is empty")
 	asJSON := fs.Bool("json", false, "print the report as one JSON object (snake_case keys), with the failed checks under \"violations\"")
 	if err := parse(fs, args); err != nil {
 		return usageExit(stderr, err)
@@ -52,9 +59,24 @@ func checkCmd(args []string, getenv func(string) string, stdout, stderr io.Write
 	if !kafkaflags.Given(fs, "database-url") {
 		*dbURL = envOr(getenv, "DATABASE_URL", defaultDatabaseURL)
 	}
-	bs, err := requiredBrokers(*brokers)
+	if !kafkaflags.Given(fs, "amqp") {
+		*amqpURL = envOr(getenv, "AMQP_URL", defaultAMQPURL)
+	}
+	src, err := parseSource(*source)
 	if err != nil {
-		return usageExit(stderr, invalidFlag("--brokers (KAFKA_BROKERS)", err))
+		return usageExit(stderr, invalidFlag("--source (SOURCE)", err))
+	}
+	var bs []string
+	switch {
+	case src == sourceKafka:
+		if bs, err = requiredBrokers(*brokers); err != nil {
+			return usageExit(stderr, invalidFlag("--brokers (KAFKA_BROKERS)", err))
+		}
+	case src == sourceRabbitMQ && *history == "":
+		return usageExit(stderr, invalidFlag("--history", errors.New("required with --source rabbitmq: the file `produce --history` wrote")))
+	}
+	if *history != "" && src != sourceRabbitMQ {
+		return usageExit(stderr, invalidFlag("--history", fmt.Errorf("applies to --source rabbitmq; %s keeps the history itself", src)))
 	}
 	if err := validateSchema(*schema); err != nil {
 		return usageExit(stderr, invalidFlag("--schema (ONCELY_SCHEMA)", err))
@@ -62,7 +84,27 @@ func checkCmd(args []string, getenv func(string) string, stdout, stderr io.Write
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
-	rep, err := runCheck(ctx, *dbURL, bs, *topic, *events, *group, *schema, *wait)
+	rep, err := func() (*report, error) {
+		pool, err := pgxpool.New(ctx, *dbURL)
+		if err != nil {
+			return nil, err
+		}
+		defer pool.Close()
+		var bc *brokerCheck
+		switch src {
+		case sourceJetStream:
+			bc, err = jetStreamCheck(*natsURL, *topic, *events, *group)
+		case sourceRabbitMQ:
+			bc, err = rabbitCheck(*amqpURL, *history, *topic, *events, *group, pool, *schema)
+		default:
+			bc, err = kafkaCheck(bs, *topic, *events, *group)
+		}
+		if err != nil {
+			return nil, err
+		}
+		defer bc.close()
+		return runCheck(ctx, pool, bc, *topic, *events, *group, *schema, *wait)
+	}()
 	if err != nil {
 		printf(stderr, "orderworker check: %v\n", err)
 		return exitError
@@ -83,23 +125,13 @@ func checkCmd(args []string, getenv func(string) string, stdout, stderr io.Write
 }
 
 // runCheck waits up to wait for the workers to catch up, reads the history
-// from the orders topic and checks it.
-func runCheck(ctx context.Context, dbURL string, brokers []string, topic, events, group, schema string, wait time.Duration) (*report, error) {
-	pool, err := pgxpool.New(ctx, dbURL)
-	if err != nil {
-		return nil, err
-	}
-	defer pool.Close()
+// from bc and checks it.
+func runCheck(ctx context.Context, pool *pgxpool.Pool, bc *brokerCheck, topic, events, group, schema string, wait time.Duration) (*report, error) {
 	if wait > 0 {
-		cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
-		if err != nil {
-			return nil, err
-		}
-		defer cl.Close()
-		adm, q := kadm.NewClient(cl), newEffectQueries(schema)
-		if err := poll(ctx, wait, 100*time.Millisecond, "the group's offsets at the end of "+topic+" and no pending outbox row",
+		q := newEffectQueries(schema)
+		if err := poll(ctx, wait, 100*time.Millisecond, "the group caught up with "+topic+" and no pending outbox row",
 			func(ctx context.Context) (bool, error) {
-				if ok, err := offsetsCaughtUp(ctx, adm, group, topic); !ok || err != nil {
+				if ok, err := bc.caughtUp(ctx); !ok || err != nil {
 					return false, err
 				}
 				n, err := queryInt(ctx, pool, q.pending)
@@ -108,7 +140,7 @@ func runCheck(ctx context.Context, dbURL string, brokers []string, topic, events
 			return nil, err
 		}
 	}
-	b, err := readHistory(ctx, brokers, topic)
+	b, err := bc.history(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -119,10 +151,10 @@ func runCheck(ctx context.Context, dbURL string, brokers []string, topic, events
 	if err := checkParked(ctx, pool, schema, b, rep); err != nil {
 		return nil, err
 	}
-	if err := checkEvents(ctx, brokers, events, b, rep); err != nil {
+	if err := bc.events(ctx, b, rep); err != nil {
 		return nil, err
 	}
-	if err := checkDeadLetters(ctx, brokers, dlq.DefaultTopic(topic), group, b, rep); err != nil {
+	if err := bc.deadLetters(ctx, b, rep); err != nil {
 		return nil, err
 	}
 	return rep, nil
@@ -824,11 +856,28 @@ func readHistory(ctx context.Context, brokers []string, topic string) (orderBatc
 	if err != nil {
 		return orderBatch{}, err
 	}
+	b := historyOf(recs, limit)
+	committed := make(map[string]bool, len(b.Deliveries))
+	for _, d := range b.Deliveries {
+		committed[d.At] = true
+	}
+	for _, rec := range all {
+		if d := classify(rec); !committed[d.At] {
+			b.Aborted = append(b.Aborted, d)
+		}
+	}
+	return b, nil
+}
+
+// historyOf sorts recs, the records of the orders topic in the order they
+// were stored, out as the consumer and the worker's handler would
+// (classify); a message id seen before is a duplicate delivery. limit is
+// the broker's limit on a record, to count the records near it.
+func historyOf(recs []*kgo.Record, limit int) orderBatch {
 	var b orderBatch
-	committed, seen := make(map[string]bool), make(map[string]bool)
+	seen := make(map[string]bool)
 	for _, rec := range recs {
 		d := classify(rec)
-		committed[d.At] = true
 		d.Duplicate = seen[d.MessageID]
 		seen[d.MessageID] = true
 		near := recordBytes(rec) >= limit-nearLimit
@@ -854,12 +903,7 @@ func readHistory(ctx context.Context, brokers []string, topic string) (orderBatc
 		}
 		b.Deliveries = append(b.Deliveries, d)
 	}
-	for _, rec := range all {
-		if d := classify(rec); !committed[d.At] {
-			b.Aborted = append(b.Aborted, d)
-		}
-	}
-	return b, nil
+	return b
 }
 
 // classify sorts rec out as the consumer and the worker's handler do: its

@@ -399,6 +399,8 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	var kafkaSecurity kafkaflags.Flags
 	kafkaSecurity.Register(fs, getenv)
 	seed := fs.Uint64("seed", 0, "seed of the random customers, amounts, poison records and duplicates (ids stay random); 0: a random seed")
+	retryFor := fs.Duration("retry-for", 0, "with --source jetstream or rabbitmq: how long to keep publishing a message again, under the same message id, after a publish failed (the broker restarting, the connection lost); 0: fail at once")
+	history := fs.String("history", "", "a file to write the records to, one JSON object a line, before they are published: what `check --history` checks a RabbitMQ queue's worker against (a queue keeps no history)")
 	if err := parse(fs, args); err != nil {
 		return usageExit(stderr, err)
 	}
@@ -426,6 +428,12 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	if *keyBy != "order" && *keyBy != "customer" {
 		return usageExit(stderr, invalidFlag("--key-by", fmt.Errorf("want order or customer, got %q", *keyBy)))
 	}
+	if *retryFor < 0 {
+		return usageExit(stderr, invalidFlag("--retry-for", errors.New("must not be negative")))
+	}
+	if *retryFor > 0 && src == sourceKafka {
+		return usageExit(stderr, invalidFlag("--retry-for", errors.New("applies to --source jetstream and rabbitmq; a Kafka producer retries by itself")))
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
@@ -437,14 +445,21 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 	if *keyBy == "customer" {
 		batch.KeyByCustomer()
 	}
+	if *history != "" {
+		if err := writeHistory(*history, *topic, batch.Deliveries); err != nil {
+			printf(stderr, "orderworker: %v\n", err)
+			return exitError
+		}
+	}
+	repeated, o := 0, publishOpts{PerSecond: *rate, RetryFor: *retryFor}
 	switch src {
 	case sourceJetStream:
-		err = publishOrders(ctx, *natsURL, *topic, *events, batch.Deliveries)
+		repeated, err = publishOrders(ctx, *natsURL, *topic, *events, batch.Deliveries, o)
 	case sourceRabbitMQ:
 		if !kafkaflags.Given(fs, "amqp") {
 			*amqpURL = envOr(getenv, "AMQP_URL", defaultAMQPURL)
 		}
-		err = publishRabbit(ctx, *amqpURL, *topic, *events, batch.Deliveries)
+		repeated, err = publishRabbit(ctx, *amqpURL, *topic, *events, batch.Deliveries, o)
 	default:
 		err = produceOrders(ctx, bs, kopts, *topic, batch.Deliveries, *rate)
 	}
@@ -452,8 +467,12 @@ func produceCmd(args []string, getenv func(string) string, stdout, stderr io.Wri
 		printf(stderr, "orderworker: %v\n", err)
 		return exitError
 	}
-	printf(stdout, "produced %d records to %s: %d orders (total %d cents), %d poison records and %d duplicate deliveries\n",
+	printf(stdout, "produced %d records to %s: %d orders (total %d cents), %d poison records and %d duplicate deliveries",
 		len(batch.Deliveries), *topic, len(batch.Orders), batch.totalCents(), len(batch.Poison), batch.Duplicates)
+	if repeated > 0 {
+		printf(stdout, "; %d publishes repeated after a failure", repeated)
+	}
+	printf(stdout, "\n")
 	return exitOK
 }
 
@@ -468,17 +487,18 @@ func produceOrders(ctx context.Context, brokers []string, kopts []kgo.Opt, topic
 }
 
 // publishOrders publishes ds to the JetStream subject, after making sure
-// the worker's streams exist.
-func publishOrders(ctx context.Context, url, subject, eventsSubject string, ds []delivery) error {
+// the worker's streams exist, paced and retried as o says (publishEach),
+// and returns how many publishes were repeats after a failure.
+func publishOrders(ctx context.Context, url, subject, eventsSubject string, ds []delivery, o publishOpts) (int, error) {
 	nc, js, err := jetStreamConn(url, "orderworker produce")
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer nc.Close()
 	if err := ensureStreams(ctx, js, subject, eventsSubject); err != nil {
-		return err
+		return 0, err
 	}
-	return publishJetStream(ctx, js, subject, ds)
+	return publishEach(ctx, ds, o, jetStreamPublish(js, subject))
 }
 
 // requiredBrokers is parseBrokers for a command that needs brokers.

@@ -195,6 +195,21 @@ func (d delivery) record(topic string) *kgo.Record {
 // possible), each acknowledged by all in-sync replicas (franz-go's
 // default).
 func produce(ctx context.Context, cl *kgo.Client, topic string, ds []delivery, perSecond int) error {
+	return pace(ctx, ds, perSecond, func(ctx context.Context, chunk []delivery) error {
+		recs := make([]*kgo.Record, len(chunk))
+		for i, d := range chunk {
+			recs[i] = d.record(topic)
+		}
+		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+			return fmt.Errorf("produce to %s: %w", topic, err)
+		}
+		return nil
+	})
+}
+
+// pace calls send with ds in order, in chunks, perSecond records a second
+// (0: chunks of 500 as fast as possible), until send's first error.
+func pace(ctx context.Context, ds []delivery, perSecond int, send func(context.Context, []delivery) error) error {
 	chunk, tick := 500, time.Duration(0)
 	if perSecond > 0 {
 		// 20 small bursts a second approximate a steady stream.
@@ -207,21 +222,67 @@ func produce(ctx context.Context, cl *kgo.Client, topic string, ds []delivery, p
 	}
 	for len(ds) > 0 {
 		n := min(chunk, len(ds))
-		recs := make([]*kgo.Record, n)
-		for i, d := range ds[:n] {
-			recs[i] = d.record(topic)
-		}
-		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
-			return fmt.Errorf("produce to %s: %w", topic, err)
+		if err := send(ctx, ds[:n]); err != nil {
+			return err
 		}
 		ds = ds[n:]
 		if t != nil && len(ds) > 0 {
 			select {
 			case <-ctx.Done():
-				return fmt.Errorf("produce to %s: %w", topic, ctx.Err())
+				return ctx.Err()
 			case <-t.C:
 			}
 		}
 	}
 	return nil
+}
+
+// publishOpts are the produce command's pace and retries on JetStream and
+// RabbitMQ.
+type publishOpts struct {
+	PerSecond int           // records a second; 0: as fast as possible
+	RetryFor  time.Duration // how long to publish a message again after a failure; 0: fail at once
+}
+
+// Backoff between the publishes of one message after a failure.
+const (
+	retryBackoffMin = 100 * time.Millisecond
+	retryBackoffMax = 2 * time.Second
+)
+
+// publishEach publishes ds with publish, one after the other, paced by
+// o.PerSecond. A message whose publish fails (the broker restarting, the
+// connection lost) is published again, under the same message id, until it
+// is acknowledged or o.RetryFor has passed since its first failure: as a
+// producer retries after a timeout, whether or not the broker stored the
+// first copy, which the worker's inbox then deduplicates. It returns how
+// many publishes were such repeats.
+func publishEach(ctx context.Context, ds []delivery, o publishOpts, publish func(context.Context, delivery) error) (repeated int, err error) {
+	err = pace(ctx, ds, o.PerSecond, func(ctx context.Context, chunk []delivery) error {
+		for _, d := range chunk {
+			var failedAt time.Time
+			backoff := retryBackoffMin
+			for {
+				err := publish(ctx, d)
+				if err == nil {
+					break
+				}
+				if failedAt.IsZero() {
+					failedAt = time.Now()
+				}
+				if ctx.Err() != nil || time.Since(failedAt) >= o.RetryFor {
+					return err
+				}
+				repeated++
+				select {
+				case <-ctx.Done():
+					return err
+				case <-time.After(backoff):
+				}
+				backoff = min(2*backoff, retryBackoffMax)
+			}
+		}
+		return nil
+	})
+	return repeated, err
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"time"
 
@@ -92,13 +93,15 @@ type jetStreamWorker struct {
 }
 
 // addJetStreamWorker adds the JetStream consumer of cfg.Topic's stream to
-// r, as the durable cfg.Group.
-func addJetStreamWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, js jetstream.JetStream, st *store) (*jetStreamWorker, error) {
+// r, as the durable cfg.Group, logging to log and reporting to tel's
+// providers as the Kafka consumer does through the runner.
+func addJetStreamWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, js jetstream.JetStream, st *store, log *slog.Logger, tel *telemetry) (*jetStreamWorker, error) {
 	stream := streamName(cfg.Topic)
 	ncfg := natsconsumer.Config{
 		JetStream: js, Stream: stream, Durable: cfg.Group,
 		Pool: pool, Schema: cfg.Schema, Handler: st.handler(), BatchSize: cfg.BatchSize,
 		Concurrency: jetStreamConcurrency, AckWait: cfg.AckWait, ShutdownTimeout: shutdownTimeout - 2*time.Second,
+		Logger: log, TracerProvider: tel.tracerProvider, MeterProvider: tel.meterProvider,
 	}
 	if cfg.BatchSize > 1 && !cfg.RecordHandler {
 		// The set-based handler, as on Kafka: it takes each customer's
@@ -119,12 +122,12 @@ func jetStreamRelay(js jetstream.JetStream) *outbox.RelayConfig {
 	return &outbox.RelayConfig{Publisher: natsconsumer.JetStreamPublisher{JetStream: js}}
 }
 
-// publishJetStream publishes ds to subject, each waiting for its PubAck.
-// The dedup id travels in the message-id header, not Nats-Msg-Id: the
-// stream's duplicate window would drop the duplicates before the worker's
-// inbox could show it deduplicates them.
-func publishJetStream(ctx context.Context, js jetstream.JetStream, subject string, ds []delivery) error {
-	for _, d := range ds {
+// jetStreamPublish returns a function that publishes a delivery to
+// subject and waits for its PubAck. The dedup id travels in the message-id
+// header, not Nats-Msg-Id: the stream's duplicate window would drop the
+// duplicates before the worker's inbox could show it deduplicates them.
+func jetStreamPublish(js jetstream.JetStream, subject string) func(context.Context, delivery) error {
+	return func(ctx context.Context, d delivery) error {
 		rec := d.record(subject)
 		m := nats.NewMsg(subject)
 		m.Data = rec.Value
@@ -133,8 +136,8 @@ func publishJetStream(ctx context.Context, js jetstream.JetStream, subject strin
 		if _, err := js.PublishMsg(ctx, m); err != nil {
 			return fmt.Errorf("publish to %s: %w", subject, err)
 		}
+		return nil
 	}
-	return nil
 }
 
 // ensureQueues declares the worker's RabbitMQ queues where they do not
@@ -164,12 +167,14 @@ func ensureQueues(url, topic, eventsTopic string) error {
 
 // addRabbitWorker adds the RabbitMQ consumer of the cfg.Topic queue to r,
 // as the group cfg.Group: the same handlers as the Kafka consumer's, in
-// batches of --batch-size, jetStreamConcurrency transactions at once.
-func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st *store) (*rabbitconsumer.Consumer, error) {
+// batches of --batch-size, jetStreamConcurrency transactions at once,
+// logging to log and reporting to tel's providers.
+func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st *store, log *slog.Logger, tel *telemetry) (*rabbitconsumer.Consumer, error) {
 	rcfg := rabbitconsumer.Config{
 		URL: cfg.AMQPURL, Queues: []string{cfg.Topic}, Group: cfg.Group,
 		Pool: pool, Schema: cfg.Schema, Handler: st.handler(), BatchSize: cfg.BatchSize,
 		Concurrency: jetStreamConcurrency, ShutdownTimeout: shutdownTimeout - 2*time.Second,
+		Logger: log, TracerProvider: tel.tracerProvider, MeterProvider: tel.meterProvider,
 	}
 	if cfg.BatchSize > 1 && !cfg.RecordHandler {
 		rcfg.BatchHandler = st.batchHandler() // as on JetStream (addJetStreamWorker)
@@ -184,23 +189,20 @@ func addRabbitWorker(r *oncely.Runner, pool *pgxpool.Pool, cfg workerConfig, st 
 // publishRabbit publishes ds to the queue topic through the default
 // exchange with rabbitconsumer.Publisher (the relay's publisher:
 // persistent, mandatory, each after the previous one's publisher
-// confirmation). The dedup id, in the message-id header, becomes the
-// message_id property: RabbitMQ does not deduplicate, so the duplicates
-// reach the worker's inbox.
-func publishRabbit(ctx context.Context, url, topic, eventsTopic string, ds []delivery) error {
+// confirmation), paced and retried as o says (publishEach), and returns
+// how many publishes were repeats after a failure. The dedup id, in the
+// message-id header, becomes the message_id property: RabbitMQ does not
+// deduplicate, so the duplicates reach the worker's inbox.
+func publishRabbit(ctx context.Context, url, topic, eventsTopic string, ds []delivery, o publishOpts) (int, error) {
 	if err := ensureQueues(url, topic, eventsTopic); err != nil {
-		return err
+		return 0, err
 	}
 	pub := &rabbitconsumer.Publisher{URL: url}
 	defer pub.Close()
-	recs := make([]*kgo.Record, len(ds))
-	for i, d := range ds {
-		recs[i] = d.record(topic)
-	}
-	for _, err := range pub.Publish(ctx, recs) {
-		if err != nil {
+	return publishEach(ctx, ds, o, func(ctx context.Context, d delivery) error {
+		if err := pub.Publish(ctx, []*kgo.Record{d.record(topic)})[0]; err != nil {
 			return fmt.Errorf("publish to %s: %w", topic, err)
 		}
-	}
-	return nil
+		return nil
+	})
 }

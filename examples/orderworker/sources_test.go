@@ -12,7 +12,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/dlq"
 	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/natsconsumer"
@@ -230,16 +229,10 @@ func jetStreamUnderTest(t *testing.T, topic, events string) brokerUnderTest {
 	return brokerUnderTest{
 		args: []string{"--source", "jetstream", "--nats", natsURL, "--ack-wait", "2s"},
 		publish: func(ctx context.Context, ds []delivery) error {
-			return publishOrders(ctx, natsURL, topic, events, ds)
+			_, err := publishOrders(ctx, natsURL, topic, events, ds, publishOpts{})
+			return err
 		},
-		settled: func(ctx context.Context) (bool, error) {
-			c, err := js.Consumer(ctx, streamName(topic), testGroup)
-			if err != nil {
-				return false, err
-			}
-			info, err := c.Info(ctx)
-			return err == nil && info.NumPending == 0 && info.NumAckPending == 0, err
-		},
+		settled: func(ctx context.Context) (bool, error) { return jetStreamSettled(ctx, js, topic, testGroup) },
 		events: func(ctx context.Context) ([]*kgo.Record, func() (int, error), error) {
 			recs, err := natsconsumer.ReadStream(ctx, js, streamName(events))
 			return recs, func() (int, error) { return int(nc.MaxPayload()), nil }, err
@@ -268,28 +261,25 @@ func rabbitUnderTest(t *testing.T, topic, events string) brokerUnderTest {
 			_, _ = ch.QueueDelete(q, false, false, false)
 		}
 	})
-	depth := func(q string) (int, error) {
-		info, err := ch.QueueDeclarePassive(q, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
-		return info.Messages, err
-	}
 	return brokerUnderTest{
 		args: []string{"--source", "rabbitmq", "--amqp", amqpURL},
 		publish: func(ctx context.Context, ds []delivery) error {
-			return publishRabbit(ctx, amqpURL, topic, events, ds)
+			_, err := publishRabbit(ctx, amqpURL, topic, events, ds, publishOpts{})
+			return err
 		},
 		settled: func(context.Context) (bool, error) {
 			// Messages counts the ready ones: with every order applied and
 			// the outbox empty, empty queues leave nothing to deliver.
-			n, err := depth(topic)
+			n, err := queueDepth(conn, topic)
 			if err != nil || n > 0 {
 				return false, err
 			}
-			r, err := depth(rabbitconsumer.DefaultRetryQueue(topic))
+			r, err := queueDepth(conn, rabbitconsumer.DefaultRetryQueue(topic))
 			return r == 0, err
 		},
 		events: func(ctx context.Context) ([]*kgo.Record, func() (int, error), error) {
-			recs, err := drainQueue(ch, events)
-			return recs, func() (int, error) { return 128 << 20, nil }, err // RabbitMQ's default max_message_size
+			recs, err := readQueue(conn, events)
+			return recs, func() (int, error) { return rabbitMaxMessage, nil }, err
 		},
 		deadLetters: func(ctx context.Context) ([]dlq.Entry, error) {
 			q, err := rabbitconsumer.OpenDeadLetters(ctx, amqpURL, dlqQueue)
@@ -299,30 +289,5 @@ func rabbitUnderTest(t *testing.T, topic, events string) brokerUnderTest {
 			defer q.Close()
 			return q.Entries(ctx, dlq.Filter{RefuseInvalid: true})
 		},
-	}
-}
-
-// drainQueue takes every message of queue (acknowledging it) as a record:
-// the body, the headers, the key from rabbitconsumer.HeaderKey and the
-// message id from the message_id property when no header carries it.
-func drainQueue(ch *amqp.Channel, queue string) ([]*kgo.Record, error) {
-	var recs []*kgo.Record
-	for {
-		d, ok, err := ch.Get(queue, true)
-		if err != nil || !ok {
-			return recs, err
-		}
-		rec := &kgo.Record{Topic: queue, Offset: int64(len(recs)), Value: d.Body}
-		for k, v := range d.Headers {
-			s, _ := v.(string)
-			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(s)})
-			if k == rabbitconsumer.HeaderKey {
-				rec.Key = []byte(s)
-			}
-		}
-		if header(rec, consumer.DefaultMessageIDHeader) == "" && d.MessageId != "" {
-			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: consumer.DefaultMessageIDHeader, Value: []byte(d.MessageId)})
-		}
-		recs = append(recs, rec)
 	}
 }

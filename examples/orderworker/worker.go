@@ -504,13 +504,13 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 	var stats func() consumer.Stats
 	switch {
 	case js != nil:
-		w, err := addJetStreamWorker(r, pool, cfg, js, st)
+		w, err := addJetStreamWorker(r, pool, cfg, js, st, log, tel)
 		if err != nil {
 			return err
 		}
 		stats = w.Stats
 	case cfg.Source == sourceRabbitMQ:
-		w, err := addRabbitWorker(r, pool, cfg, st)
+		w, err := addRabbitWorker(r, pool, cfg, st, log, tel)
 		if err != nil {
 			return err
 		}
