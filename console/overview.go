@@ -161,6 +161,7 @@ type classCount struct {
 	Counts map[dlq.Class]int
 	Total  int
 	Err    string
+	Note   string // what the index counted misses (a read under way)
 }
 
 // sourceCounts is a source's places with their dead letters by class.
@@ -388,8 +389,8 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 // to times.
 func (s *server) countClasses(ctx context.Context, src deadLetterSource, place string, times *deadLetterTimes) classCount {
 	cc := classCount{Topic: place, Counts: map[dlq.Class]int{}}
-	ti, err := src.sync(ctx, place)
-	cc.Err = errText(err)
+	ti, note, err := src.view(ctx, place, s.cfg.ViewWait)
+	cc.Err, cc.Note = errText(err), note
 	if err == nil {
 		ti.each(func(e dlq.Entry) bool {
 			cc.Total++

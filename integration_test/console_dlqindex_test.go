@@ -44,7 +44,7 @@ func TestConsoleDeadLetterIndexFollowsTheTopic(t *testing.T) {
 	dlqTopic := k.CreateTopic(t, "idx.dlq", 3)
 	producer := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
 	opts := append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...)
-	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, DeadLetterTopics: []string{dlqTopic}})
+	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, ViewWait: testViewWait, DeadLetterTopics: []string{dlqTopic}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -234,7 +234,7 @@ func TestConsoleReadsOnlyWhatTheTopicGained(t *testing.T) {
 		return out
 	}
 	opts := append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...)
-	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, DeadLetterTopics: []string{topic}})
+	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, ViewWait: testViewWait, DeadLetterTopics: []string{topic}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -51,7 +51,7 @@ func TestConsoleOverviewSaysWhatIsNotReady(t *testing.T) {
 	}
 	runner := &oncely.NotReadyError{Reasons: []oncely.Reason{{Component: "outbox relay", Reason: "publish failed: broker down"},
 		{Component: "database", Reason: "unreachable: timeout"}}}
-	c, err := console.New(console.Config{Pool: env.db.Pool, Schema: env.db.Schema, KafkaOpts: env.consoleKafkaOpts,
+	c, err := console.New(console.Config{Pool: env.db.Pool, Schema: env.db.Schema, ViewWait: testViewWait, KafkaOpts: env.consoleKafkaOpts,
 		DeadLetterTopics: []string{env.dlqTopic}, InboxRetention: time.Hour, SampleInterval: 10 * time.Millisecond,
 		Ready: func() error { return runner }})
 	if err != nil {
