@@ -50,6 +50,10 @@ type Config struct {
 	// (natsconsumer) on a connection the caller owns: jetstream.New(nc).
 	// Without it the pages show no JetStream dead letters.
 	JetStream jetstream.JetStream
+	// Streams are the JetStream streams whose durable consumers the
+	// overview shows (messages pending, ack pending, redelivered, with the
+	// trend). Default: every stream but the dead-letter streams.
+	Streams []string
 	// DeadLetterStreams are the JetStream dead-letter streams shown.
 	// Default: every stream whose subjects all start with "dlq." (where
 	// natsconsumer.DefaultDeadLetterSubject puts dead letters); name them
@@ -66,6 +70,12 @@ type Config struct {
 	// RabbitMQ cannot list its queues over AMQP (only its management
 	// plugin can), so the console does not discover them.
 	DeadLetterQueues []string
+	// Queues are the RabbitMQ queues of the consumers (rabbitconsumer
+	// Config.Queues) whose backlog the overview shows: messages ready and
+	// consumers, with the trend. Default: the queue of each dead-letter
+	// queue named by rabbitconsumer's default (DefaultDeadLetterRoutingKey:
+	// the name without ".dlq").
+	Queues []string
 	// IDHeader is the dedup id header of redriven records and messages
 	// (a natsconsumer's MessageIDHeader). Default "message-id".
 	IDHeader string
@@ -205,6 +215,14 @@ func (s *server) sample(ctx context.Context) error {
 	if len(s.cfg.KafkaOpts) > 0 {
 		_, err = s.lag(ctx)
 	}
+	if s.rabbit != nil {
+		_, rerr := s.rabbitLag(ctx)
+		err = errors.Join(err, rerr)
+	}
+	if s.jetstream != nil {
+		_, jerr := s.jetStreamLag(ctx)
+		err = errors.Join(err, jerr)
+	}
 	for _, src := range s.sources() {
 		places, perr := src.places(ctx)
 		err = errors.Join(err, perr)
@@ -235,8 +253,13 @@ type server struct {
 	rabbit *rabbitSource
 
 	lagHistory lagHistory
-	tmpl       *template.Template
-	log        *slog.Logger
+	// rabbitQueues are the RabbitMQ queues whose backlog the overview
+	// shows (Config.Queues); the histories are the other brokers'
+	// backlog samples.
+	rabbitQueues                    []string
+	rabbitHistory, jetStreamHistory lagHistory
+	tmpl                            *template.Template
+	log                             *slog.Logger
 }
 
 // New returns the console's handler. Mount it under a prefix with
@@ -267,10 +290,14 @@ func New(cfg Config) (*Console, error) {
 		s.jetstream = &jetStreamSource{js: cfg.JetStream, streams: cfg.DeadLetterStreams, timeout: s.cfg.Timeout}
 	} else if len(cfg.DeadLetterStreams) > 0 {
 		return nil, errors.New("console: Config.DeadLetterStreams: needs Config.JetStream")
+	} else if len(cfg.Streams) > 0 {
+		return nil, errors.New("console: Config.Streams: needs Config.JetStream")
 	}
 	switch {
 	case cfg.AMQPURL != "" && len(cfg.DeadLetterQueues) == 0:
 		return nil, errors.New("console: Config.DeadLetterQueues: required with Config.AMQPURL (RabbitMQ cannot list its queues over AMQP)")
+	case cfg.AMQPURL == "" && len(cfg.Queues) > 0:
+		return nil, errors.New("console: Config.Queues: needs Config.AMQPURL")
 	case cfg.AMQPURL == "" && len(cfg.DeadLetterQueues) > 0:
 		return nil, errors.New("console: Config.DeadLetterQueues: needs Config.AMQPURL")
 	case cfg.AMQPURL != "":
@@ -282,6 +309,17 @@ func New(cfg Config) (*Console, error) {
 			return nil, errors.New("console: Config.DeadLetterQueues: a queue name is empty")
 		}
 		s.rabbit = newRabbitSource(cfg.AMQPURL, cfg.DeadLetterQueues, s.cfg.Timeout)
+		s.rabbitQueues = slices.Clone(cfg.Queues)
+		if len(s.rabbitQueues) == 0 {
+			for _, q := range s.rabbit.queues {
+				if src, ok := strings.CutSuffix(q, ".dlq"); ok && src != "" {
+					s.rabbitQueues = append(s.rabbitQueues, src)
+				}
+			}
+		}
+		if slices.Contains(s.rabbitQueues, "") {
+			return nil, errors.New("console: Config.Queues: a queue name is empty")
+		}
 	}
 	var err error
 	if s.inbox, err = dedup.New(dedup.Config{Schema: s.schema}); err != nil {

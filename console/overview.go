@@ -33,6 +33,13 @@ type lagRow struct {
 	// without an earlier sample).
 	Trend int64
 	Since time.Duration
+	// A RabbitMQ queue's consumers (its Lag the messages ready), and a
+	// JetStream consumer's messages awaiting acknowledgement, redelivered,
+	// pull requests waiting and last delivery (its Lag the messages
+	// pending): see rabbitLag and jetStreamLag.
+	Consumers                        int
+	AckPending, Redelivered, Waiting int64
+	Active                           time.Time
 }
 
 // lagSample is the lag of every partition at one time.
@@ -276,6 +283,7 @@ func (s *server) readiness(ctx context.Context, d *overviewData) []notReady {
 				fmt.Sprintf("%d records behind on %s and no member consumes (state %s)", r.Lag, r.Topic, r.State)})
 		}
 	}
+	out = append(out, brokersNotReady(d, time.Now())...)
 	if d.Outbox.Parked > 0 {
 		out = append(out, notReady{"outbox", fmt.Sprintf("%d parked rows hold their keys' later rows back (retry or discard them)", d.Outbox.Parked)})
 	}
@@ -297,6 +305,11 @@ type overviewData struct {
 	LagErr     string
 	TrendSince time.Duration // how far back the lag samples go
 	NoKafka    bool          // only JetStream or RabbitMQ is configured: no lag to show
+	// The backlog of the RabbitMQ queues and the JetStream consumers, with
+	// its trend (lagRow), when they are configured.
+	Rabbit, JetStream       []lagRow
+	RabbitErr, JetStreamErr string
+	HasRabbit, HasJetStream bool
 	// DeadLetters are every source's places; AnyPlaces: one has a place.
 	DeadLetters []sourceCounts
 	AnyPlaces   bool
@@ -337,6 +350,20 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 			d.Lag, err = s.lag(ctx)
 			d.LagErr = errText(err)
 			d.TrendSince = s.lagHistory.span(time.Now()).Truncate(time.Second)
+		})
+	}
+	if d.HasRabbit = s.rabbit != nil; d.HasRabbit {
+		wg.Go(func() {
+			var err error
+			d.Rabbit, err = s.rabbitLag(ctx)
+			d.RabbitErr = errText(err)
+		})
+	}
+	if d.HasJetStream = s.jetstream != nil; d.HasJetStream {
+		wg.Go(func() {
+			var err error
+			d.JetStream, err = s.jetStreamLag(ctx)
+			d.JetStreamErr = errText(err)
 		})
 	}
 	wg.Go(func() {

@@ -315,14 +315,20 @@ func (r *rabbitSource) ready(ctx context.Context, queue string) (int, error) {
 	return st.Messages, nil
 }
 
-// channel opens a connection of its own and a channel on it; done closes
-// them.
-func (r *rabbitSource) channel(ctx context.Context) (*amqp.Channel, func(), error) {
+// dial opens a connection of the console's own, within returnWait (and
+// ctx's deadline).
+func (r *rabbitSource) dial(ctx context.Context) (*amqp.Connection, error) {
 	timeout := returnWait
 	if d, ok := ctx.Deadline(); ok {
 		timeout = min(timeout, time.Until(d))
 	}
-	conn, err := amqp.DialConfig(r.url, amqp.Config{Dial: amqp.DefaultDial(timeout)})
+	return amqp.DialConfig(r.url, amqp.Config{Dial: amqp.DefaultDial(timeout)})
+}
+
+// channel opens a connection of its own and a channel on it; done closes
+// them.
+func (r *rabbitSource) channel(ctx context.Context) (*amqp.Channel, func(), error) {
+	conn, err := r.dial(ctx)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -132,7 +132,7 @@ func seedNATSConsole(t *testing.T) *natsConsoleEnv {
 	// The console on a connection of its own, as `oncely console --nats`.
 	_, js := env.ownJetStream()
 	srv := mountConsole(t, console.Config{Pool: env.db.Pool, Schema: env.db.Schema, JetStream: js,
-		DeadLetterStreams: []string{env.dlq}, Actions: true, Logger: slog.New(slog.NewTextHandler(env.logs, nil))})
+		Streams: []string{env.stream}, DeadLetterStreams: []string{env.dlq}, Actions: true, Logger: slog.New(slog.NewTextHandler(env.logs, nil))})
 	env.base = srv.URL + "/ops/"
 	return env
 }
