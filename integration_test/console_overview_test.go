@@ -112,7 +112,7 @@ func TestConsoleOverviewRabbitQueues(t *testing.T) {
 		DeadLetterQueues: []string{env.dlq, env.dlq + "-missing.dlq"}})
 	op := newOperator(t, "frank")
 	over := op.get(srv.URL + "/ops/")
-	mustContain(t, "overview, no consumer", over, `<section id="rabbit-lag">`,
+	mustContain(t, "overview, no consumer", over, `<section id="rabbitmq-lag">`,
 		`<tr><td>`+env.queue+`</td><td class="n warn">0</td><td class="n warn">2</td><td class="n trend">-</td></tr>`,
 		`<td>RabbitMQ queue &#34;`+env.queue+`&#34;</td><td class="warn">2 messages ready and no consumer</td>`,
 		`<tr><td>`+env.dlq+`-missing</td><td colspan="3" class="err">no such queue</td></tr>`)

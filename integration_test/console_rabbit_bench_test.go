@@ -44,10 +44,13 @@ func BenchmarkConsoleRabbitPages(b *testing.B) {
 	}
 	source := testenv.UniqueName("bench-rabbit")
 	queue := rabbitconsumer.DefaultDeadLetterRoutingKey(source)
-	if _, err := ch.QueueDeclare(queue, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
-		b.Fatal(err)
+	// The source queue too: the overview shows its backlog.
+	for _, q := range []string{source, queue} {
+		if _, err := ch.QueueDeclare(q, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { _, _ = ch.QueueDelete(q, false, false, false) })
 	}
-	b.Cleanup(func() { _, _ = ch.QueueDelete(queue, false, false, false) })
 	if err := ch.Confirm(false); err != nil {
 		b.Fatal(err)
 	}
