@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -285,7 +286,7 @@ func (r *rabbitSource) view(ctx context.Context, name string, budget time.Durati
 		empty := &topicIndex{parts: map[int32]*partIndex{}, ids: map[idKey]*identity{}}
 		return empty, fmt.Sprintf("Listing queue %s (%d messages ready) in the background: reload in a moment to see them.", name, ready), nil
 	}
-	return snap, stale(name, at, n, ready) + " A new listing is under way: reload to see it.", nil
+	return snap, strings.TrimSpace(stale(name, at, n, ready) + " A new listing is under way: reload to see it."), nil
 }
 
 // stale is the note of a snapshot of n messages taken at at, of a queue
