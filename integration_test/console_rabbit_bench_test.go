@@ -29,6 +29,37 @@ import (
 // twice. ONCELY_CONSOLE_BENCH_SCALE scales the volume.
 //
 //	go test -run '^$' -bench BenchmarkConsoleRabbitPages -benchtime 3x ./integration_test/
+//
+// publishDeadLetters publishes n dead letters of queue source to queue
+// queue, the i-th with the oncely-dlq headers of info and the body that
+// deadLetter(i) gives, persistent, in confirm mode on ch, and waits for
+// every confirmation.
+func publishDeadLetters(tb testing.TB, ch *amqp.Channel, queue, source string, n int, deadLetter func(i int) (info *dlq.Info, body []byte)) {
+	tb.Helper()
+	if err := ch.Confirm(false); err != nil {
+		tb.Fatal(err)
+	}
+	confirms := make([]*amqp.DeferredConfirmation, 0, n)
+	for i := range n {
+		info, body := deadLetter(i)
+		h := amqp.Table{rabbitconsumer.HeaderQueue: source}
+		for _, x := range info.Headers() {
+			h[x.Key] = string(x.Value)
+		}
+		dc, err := ch.PublishWithDeferredConfirmWithContext(context.Background(), "", queue, true, false, amqp.Publishing{
+			MessageId: info.MessageID, Headers: h, DeliveryMode: amqp.Persistent, Body: body})
+		if err != nil {
+			tb.Fatal(err)
+		}
+		confirms = append(confirms, dc)
+	}
+	for _, dc := range confirms {
+		if ok, err := dc.WaitContext(context.Background()); !ok || err != nil {
+			tb.Fatalf("publish not confirmed: %v", err)
+		}
+	}
+}
+
 func BenchmarkConsoleRabbitPages(b *testing.B) {
 	nDead := int(10_000 * consoleBenchScale(b))
 	ctx := context.Background()
@@ -51,34 +82,14 @@ func BenchmarkConsoleRabbitPages(b *testing.B) {
 		}
 		b.Cleanup(func() { _, _ = ch.QueueDelete(q, false, false, false) })
 	}
-	if err := ch.Confirm(false); err != nil {
-		b.Fatal(err)
-	}
-
 	start := time.Now()
 	now := time.Now()
-	var confirms []*amqp.DeferredConfirmation
-	for i := range nDead {
-		info := &dlq.Info{Topic: source, Offset: int64(i + 1), Group: "workers-" + strconv.Itoa(i%4),
-			MessageID: "msg-" + strconv.Itoa(i), Attempts: 3, FirstFailure: now, LastFailure: now, Timestamp: now,
-			Class: []dlq.Class{dlq.ClassPermanent, dlq.ClassMaxAttempts, dlq.ClassUndecodable}[i%3], Error: "failure " + strconv.Itoa(i%50)}
-		h := amqp.Table{rabbitconsumer.HeaderQueue: source}
-		for _, x := range info.Headers() {
-			h[x.Key] = string(x.Value)
-		}
-		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false, amqp.Publishing{
-			MessageId: info.MessageID, Headers: h, DeliveryMode: amqp.Persistent,
-			Body: []byte(`{"order":` + strconv.Itoa(i) + `,"lines":["` + strings.Repeat("x", 200) + `"]}`)})
-		if err != nil {
-			b.Fatal(err)
-		}
-		confirms = append(confirms, dc)
-	}
-	for _, dc := range confirms {
-		if ok, err := dc.WaitContext(ctx); !ok || err != nil {
-			b.Fatalf("publish not confirmed: %v", err)
-		}
-	}
+	publishDeadLetters(b, ch, queue, source, nDead, func(i int) (*dlq.Info, []byte) {
+		return &dlq.Info{Topic: source, Offset: int64(i + 1), Group: "workers-" + strconv.Itoa(i%4),
+				MessageID: "msg-" + strconv.Itoa(i), Attempts: 3, FirstFailure: now, LastFailure: now, Timestamp: now,
+				Class: []dlq.Class{dlq.ClassPermanent, dlq.ClassMaxAttempts, dlq.ClassUndecodable}[i%3], Error: "failure " + strconv.Itoa(i%50)},
+			[]byte(`{"order":` + strconv.Itoa(i) + `,"lines":["` + strings.Repeat("x", 200) + `"]}`)
+	})
 	b.Logf("seeded %d dead letters in %s", nDead, time.Since(start).Round(time.Millisecond))
 	ready := func() {
 		testenv.Eventually(b, time.Minute, "the dead letters back in the queue", func() bool {
