@@ -151,9 +151,10 @@
 //     to 17 ms where one rabbitconsumer listing of it takes 0.45 to 0.7 s
 //     (BenchmarkConsoleRabbitPages measures both in each round); the first
 //     view in a console just started takes Config.ViewWait and says that
-//     the listing goes on. At 100,000 dead letters the pages take 13 to
-//     41 ms, a listing 4 to 7 s: the views no longer pay it, but a dry run
-//     on a snapshot over a minute old does (Console.Run keeps it younger).
+//     the listing goes on. At 100,000 dead letters the pages take 10 to
+//     41 ms (the dry run of 33,334 matches 97 to 143 ms), a listing 4 to
+//     13 s: the views no longer pay it, but a dry run on a snapshot over a
+//     minute old does (Console.Run keeps it younger).
 //   - The inbox is counted exactly up to 100,000 rows; above, its total
 //     is the planner's estimate (or, for a table never analyzed, a block
 //     sample's rows scaled by its share of the pages: within about 5 %),
