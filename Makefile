@@ -147,10 +147,11 @@ test-console-browser:
 bench-console:
 	$(GO) test -run '^$$' -bench 'BenchmarkConsole(Pages|JetStreamPages|RabbitPages)' -benchtime 3x -count 1 -timeout 20m ./integration_test/
 
-## console-screenshots: the same test, saving a PNG of each page into docs/console/
+## console-screenshots: the same tests, saving a PNG of each page into docs/console/ (the
+## Kafka pages, and the JetStream and RabbitMQ ones prefixed jetstream- and rabbitmq-)
 console-screenshots:
 	scripts/install-chromium.sh
-	ONCELY_BROWSER_TEST=1 ONCELY_CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(GO) test -count=1 -timeout 5m -run '^TestConsoleInBrowser$$' ./integration_test/
+	ONCELY_BROWSER_TEST=1 ONCELY_CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(GO) test -count=1 -timeout 5m -run '^TestConsole(JetStream|RabbitMQ)?InBrowser$$' ./integration_test/
 
 ## tidy-check: every module's go.mod and go.sum are tidy on their own (outside
 ## the workspace, as go mod tidy sees them)

@@ -50,6 +50,10 @@ type Config struct {
 	// (natsconsumer) on a connection the caller owns: jetstream.New(nc).
 	// Without it the pages show no JetStream dead letters.
 	JetStream jetstream.JetStream
+	// Streams are the JetStream streams whose durable consumers the
+	// overview shows (messages pending, ack pending, redelivered, with the
+	// trend). Default: every stream but the dead-letter streams.
+	Streams []string
 	// DeadLetterStreams are the JetStream dead-letter streams shown.
 	// Default: every stream whose subjects all start with "dlq." (where
 	// natsconsumer.DefaultDeadLetterSubject puts dead letters); name them
@@ -66,6 +70,12 @@ type Config struct {
 	// RabbitMQ cannot list its queues over AMQP (only its management
 	// plugin can), so the console does not discover them.
 	DeadLetterQueues []string
+	// Queues are the RabbitMQ queues of the consumers (rabbitconsumer
+	// Config.Queues) whose backlog the overview shows: messages ready and
+	// consumers, with the trend. Default: the queue of each dead-letter
+	// queue named by rabbitconsumer's default (DefaultDeadLetterRoutingKey:
+	// the name without ".dlq").
+	Queues []string
 	// IDHeader is the dedup id header of redriven records and messages
 	// (a natsconsumer's MessageIDHeader). Default "message-id".
 	IDHeader string
@@ -95,6 +105,13 @@ type Config struct {
 	SampleInterval time.Duration
 	// Timeout bounds each page's and each action's work. Default 15s.
 	Timeout time.Duration
+	// ViewWait bounds a page's wait for a dead-letter place to be read:
+	// the first read of a topic or stream, a listing of a RabbitMQ queue
+	// whose count changed. Past it the read goes on in the background and
+	// the page shows what was read by then (of a queue: its last listing),
+	// with a note that says so. A dry run waits for the whole read. Default
+	// 150ms.
+	ViewWait time.Duration
 }
 
 type identityKey struct{}
@@ -163,13 +180,16 @@ type Console struct {
 
 // Run samples consumer lag and brings the dead-letter index (Kafka's
 // topics, JetStream's streams) up to date every Config.SampleInterval
-// until ctx is done, then returns nil. Without Run the pages do both when
+// until ctx is done, then returns nil; it lists a RabbitMQ dead-letter
+// queue again (the pages' snapshot of it) when its count changed, or its
+// snapshot is a minute old. Without Run the pages do all this when
 // viewed: the lag trend then has the overview's views as its samples, and
-// the first view of a dead-letter topic or stream reads it whole. A failed
-// round is logged and the next one tried.
+// the first view of a dead-letter topic, stream or queue starts reading it
+// whole, waits for that a bounded time, and shows what was read by then
+// with a note. A failed round is logged and the next one tried.
 func (c *Console) Run(ctx context.Context) error {
 	s := c.s
-	if len(s.cfg.KafkaOpts) == 0 && s.jetstream == nil { // RabbitMQ's queues are read per view only
+	if len(s.cfg.KafkaOpts) == 0 && !s.otherBrokers() { // nothing to sample
 		<-ctx.Done()
 		return nil
 	}
@@ -195,16 +215,21 @@ func (s *server) sample(ctx context.Context) error {
 	if len(s.cfg.KafkaOpts) > 0 {
 		_, err = s.lag(ctx)
 	}
+	if s.rabbit != nil {
+		_, rerr := s.rabbitLag(ctx)
+		err = errors.Join(err, rerr)
+	}
+	if s.jetstream != nil {
+		_, jerr := s.jetStreamLag(ctx)
+		err = errors.Join(err, jerr)
+	}
 	for _, src := range s.sources() {
-		if _, ok := src.(*rabbitSource); ok {
-			// A listing holds a queue's messages from its other readers:
-			// only a request lists a queue, for as long as it takes.
-			continue
-		}
 		places, perr := src.places(ctx)
 		err = errors.Join(err, perr)
 		for _, p := range places {
-			if _, serr := src.sync(ctx, p); serr != nil {
+			// Up to date (a RabbitMQ queue listed only when its snapshot
+			// is stale), in the background the views share.
+			if _, _, serr := src.view(ctx, p, 0); serr != nil {
 				err = errors.Join(err, serr)
 			}
 		}
@@ -228,8 +253,13 @@ type server struct {
 	rabbit *rabbitSource
 
 	lagHistory lagHistory
-	tmpl       *template.Template
-	log        *slog.Logger
+	// rabbitQueues are the RabbitMQ queues whose backlog the overview
+	// shows (Config.Queues); the histories are the other brokers'
+	// backlog samples.
+	rabbitQueues                    []string
+	rabbitHistory, jetStreamHistory lagHistory
+	tmpl                            *template.Template
+	log                             *slog.Logger
 }
 
 // New returns the console's handler. Mount it under a prefix with
@@ -244,6 +274,9 @@ func New(cfg Config) (*Console, error) {
 	if cfg.SampleInterval < 0 {
 		return nil, errors.New("console: Config.SampleInterval: must not be negative")
 	}
+	if cfg.ViewWait < 0 {
+		return nil, errors.New("console: Config.ViewWait: must not be negative")
+	}
 	if cfg.InboxRetention < 0 {
 		return nil, errors.New("console: Config.InboxRetention: must not be negative")
 	}
@@ -251,15 +284,20 @@ func New(cfg Config) (*Console, error) {
 		log: cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))}
 	s.cfg.Timeout = cmp.Or(cfg.Timeout, 15*time.Second)
 	s.cfg.SampleInterval = cmp.Or(cfg.SampleInterval, 15*time.Second)
+	s.cfg.ViewWait = cmp.Or(cfg.ViewWait, 150*time.Millisecond)
 	s.dlq = &dlqIndex{opts: cfg.KafkaOpts}
 	if cfg.JetStream != nil {
-		s.jetstream = &jetStreamSource{js: cfg.JetStream, streams: cfg.DeadLetterStreams}
+		s.jetstream = &jetStreamSource{js: cfg.JetStream, streams: cfg.DeadLetterStreams, timeout: s.cfg.Timeout}
 	} else if len(cfg.DeadLetterStreams) > 0 {
 		return nil, errors.New("console: Config.DeadLetterStreams: needs Config.JetStream")
+	} else if len(cfg.Streams) > 0 {
+		return nil, errors.New("console: Config.Streams: needs Config.JetStream")
 	}
 	switch {
 	case cfg.AMQPURL != "" && len(cfg.DeadLetterQueues) == 0:
 		return nil, errors.New("console: Config.DeadLetterQueues: required with Config.AMQPURL (RabbitMQ cannot list its queues over AMQP)")
+	case cfg.AMQPURL == "" && len(cfg.Queues) > 0:
+		return nil, errors.New("console: Config.Queues: needs Config.AMQPURL")
 	case cfg.AMQPURL == "" && len(cfg.DeadLetterQueues) > 0:
 		return nil, errors.New("console: Config.DeadLetterQueues: needs Config.AMQPURL")
 	case cfg.AMQPURL != "":
@@ -270,7 +308,18 @@ func New(cfg Config) (*Console, error) {
 		if slices.Contains(cfg.DeadLetterQueues, "") {
 			return nil, errors.New("console: Config.DeadLetterQueues: a queue name is empty")
 		}
-		s.rabbit = newRabbitSource(cfg.AMQPURL, cfg.DeadLetterQueues)
+		s.rabbit = newRabbitSource(cfg.AMQPURL, cfg.DeadLetterQueues, s.cfg.Timeout)
+		s.rabbitQueues = slices.Clone(cfg.Queues)
+		if len(s.rabbitQueues) == 0 {
+			for _, q := range s.rabbit.queues {
+				if src, ok := strings.CutSuffix(q, ".dlq"); ok && src != "" {
+					s.rabbitQueues = append(s.rabbitQueues, src)
+				}
+			}
+		}
+		if slices.Contains(s.rabbitQueues, "") {
+			return nil, errors.New("console: Config.Queues: a queue name is empty")
+		}
 	}
 	var err error
 	if s.inbox, err = dedup.New(dedup.Config{Schema: s.schema}); err != nil {

@@ -40,6 +40,7 @@ type indexes struct {
 
 type topicIndex struct {
 	refresh sync.Mutex // one reader of Kafka at a time
+	bg      background // the refresh that views start (viewIndex)
 	// created is when a JetStream stream was created, held by its
 	// refresh: another time means it was deleted and made again.
 	created time.Time
@@ -112,10 +113,18 @@ func (ix *dlqIndex) sync(ctx context.Context, topic string) (*topicIndex, error)
 		return nil, fmt.Errorf("dead letters: %w", err)
 	}
 	from := t.trim(starts, ends)
+	// Indexed a chunk at a time: a view that does not wait for the whole
+	// read (viewIndex) shows what was read so far, and a read that fails
+	// is taken up after the last chunk by the next one.
 	var recs []*kgo.Record
 	err = topicread.Range(ctx, ix.opts, topic, from, ends, func(r *kgo.Record) error {
 		r.Value = nil
 		recs = append(recs, r)
+		if len(recs) == indexChunk {
+			topicread.Sort(recs)
+			t.add(recs, nil)
+			recs = nil
+		}
 		return nil
 	})
 	if err != nil {
@@ -124,6 +133,75 @@ func (ix *dlqIndex) sync(ctx context.Context, topic string) (*topicIndex, error)
 	topicread.Sort(recs)
 	t.add(recs, ends)
 	return t, nil
+}
+
+// indexChunk is the number of records a read of a place indexes at once.
+const indexChunk = 5000
+
+// background is the refresh of a place that views start: one at a time,
+// run on a context of its own (bounded by Config.Timeout), so that a view
+// that stops waiting for it does not cancel it.
+type background struct {
+	mu   sync.Mutex
+	done chan struct{} // closed when the running refresh ends; nil: none runs
+	err  error         // of the refresh that ended last
+}
+
+// wait starts refresh unless one runs, and waits for the running one up to
+// budget (0: until it ends or ctx is done). It reports whether it ended,
+// and its error.
+func (b *background) wait(ctx context.Context, budget, timeout time.Duration, refresh func(context.Context) error) (bool, error) {
+	b.mu.Lock()
+	done := b.done
+	if done == nil {
+		done = make(chan struct{})
+		b.done = done
+		go func() {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+			err := refresh(rctx)
+			cancel()
+			b.mu.Lock()
+			b.err, b.done = err, nil
+			b.mu.Unlock()
+			close(done)
+		}()
+	}
+	b.mu.Unlock()
+	var expired <-chan time.Time
+	if budget > 0 {
+		t := time.NewTimer(budget)
+		defer t.Stop()
+		expired = t.C
+	}
+	select {
+	case <-done:
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return true, b.err
+	case <-expired:
+		return false, nil
+	case <-ctx.Done():
+		return false, ctx.Err()
+	}
+}
+
+// viewIndex brings the index t of src's place up to date by src.sync, in
+// the background (t.bg), waiting up to budget (0: until it is): past it,
+// it returns t as it stands and a note that says so.
+func viewIndex(ctx context.Context, src deadLetterSource, t *topicIndex, place string, budget, timeout time.Duration) (*topicIndex, string, error) {
+	ended, err := t.bg.wait(ctx, budget, timeout, func(ctx context.Context) error {
+		_, err := src.sync(ctx, place)
+		return err
+	})
+	if err != nil {
+		return nil, "", err
+	}
+	if ended {
+		return t, "", nil
+	}
+	k := src.kind()
+	return t, fmt.Sprintf("Still reading %s %s %s: shown and counted are the %d records read so far. Reload to see the rest.",
+		k.Broker, k.Noun, place, t.size()), nil
 }
 
 // trim forgets the records below each partition's start offset (deleted
@@ -190,7 +268,8 @@ func (t *topicIndex) forget(x *indexed) {
 	}
 }
 
-// add indexes recs, sorted by partition and offset, read up to ends.
+// add indexes recs, sorted by partition and offset, read up to ends (and
+// at least to the record after each one).
 func (t *topicIndex) add(recs []*kgo.Record, ends map[int32]int64) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -224,6 +303,7 @@ func (t *topicIndex) add(recs []*kgo.Record, ends map[int32]int64) {
 			t.parts[r.Partition] = pi
 		}
 		pi.recs = append(pi.recs, x)
+		pi.next = max(pi.next, r.Offset+1)
 	}
 	for p, end := range ends {
 		pi := t.parts[p]

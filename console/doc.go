@@ -47,17 +47,29 @@
 // RabbitMQ's dead-letter queues (Config.AMQPURL, DeadLetterQueues;
 // ?queue=NAME) get the same pages too. The queues must be named: RabbitMQ
 // cannot list its queues over AMQP (only its management plugin can). A
-// queue is not a log: RabbitMQ shows a message only by delivering it, so
-// each request that needs a queue lists it whole through
-// rabbitconsumer.OpenDeadLetters, which holds its messages unacknowledged
-// (invisible to any other reader of the queue) until the listing is
-// closed; the console closes it before the request ends, then waits
-// (at most 2 s) until RabbitMQ has requeued them, so that the next listing
-// sees them all. No listing is kept between requests, and Console.Run does
-// not read the queues. Views in one console process wait for each other's
-// listings; a listing by another reader (another console process, `oncely
-// dlq --queue`) hides its messages from a view meanwhile, which then waits
-// rabbitconsumer.ListIdleTimeout for them and shows the others. A listing's positions shift as messages leave the
+// queue is not a log: RabbitMQ shows a message only by delivering it, so a
+// listing (rabbitconsumer.OpenDeadLetters) takes the queue whole and holds
+// its messages unacknowledged (invisible to any other reader of the queue)
+// until it is closed; the console closes each listing before the request
+// or round of Console.Run that made it ends, then waits (at most 2 s)
+// until RabbitMQ has requeued them, so that the next listing sees them
+// all. The pages are served from a snapshot: the index of the queue's last
+// listing (the same index as a topic's). A view first asks RabbitMQ for
+// the queue's count (a passive declaration, which takes nothing); while it
+// is the snapshot's and the snapshot is younger than a minute, the view
+// shows the snapshot. Otherwise the view starts a listing in the
+// background (one at a time per queue; from views at most one every 2 s)
+// and waits for it up to Config.ViewWait, then shows the snapshot with a
+// note of its time and the queue's count now; a later view shows the new
+// listing. So a dead letter that arrives after the snapshot shows within
+// seconds, and one taken and another added (the count unchanged) within a
+// minute; Console.Run lists a queue whose count changed at each round. A
+// dry run waits for an up-to-date snapshot; a confirmed redrive lists the
+// queue itself (below), and what its listing still holds after the
+// redrive becomes the snapshot. Listings in one console process wait for
+// each other; a listing by another reader (another console process,
+// `oncely dlq --queue`) hides its messages from a listing meanwhile, which
+// then waits rabbitconsumer.ListIdleTimeout for them and keeps the others. A listing's positions shift as messages leave the
 // queue, so the console numbers the dead letters itself: a message keeps
 // the number the first listing that showed it gave it, recognised by a
 // hash of its body and headers (its group, dedup id, source queue and
@@ -91,7 +103,18 @@
 // letters by class (per hour of the last day and per day of the last two
 // weeks, by last failure), the outbox backlog and parked rows per topic,
 // the inbox's rows and its oldest row beside the cleaner's retention, and
-// the webhook endpoints by breaker state.
+// the webhook endpoints by breaker state. With RabbitMQ, the backlog of
+// its queues (Config.Queues; by default the source queue of each
+// dead-letter queue): messages ready and consumers, from a passive
+// declaration (AMQP does not tell the messages delivered and not yet
+// acknowledged; the management plugin does), with their trend; a queue
+// with messages ready and no consumer is not ready. With JetStream, its
+// durable consumers (of Config.Streams; by default every stream but the
+// dead-letter streams): messages pending, awaiting acknowledgement,
+// redelivered, pull requests waiting and the last delivery, with the
+// trend of the pending; a consumer with messages pending, none awaiting
+// acknowledgement, no pull request waiting and nothing delivered for a
+// minute is not ready.
 //
 // The lag trend is the change since the oldest sample of the last 15
 // minutes. The samples are kept in the console's process (an hour of them,
@@ -109,8 +132,11 @@
 //     whole once, at its first view or by Run at start-up, and then only
 //     its new records, at each view; the index keeps each record's place,
 //     key and decoded oncely headers, not its value (some 600 bytes a
-//     record: 60 MB for 100,000). The first view of a topic that Run has not read yet costs
-//     the whole read (about 200 ms per 100,000 records). Lists show 100
+//     record: 60 MB for 100,000). The first view of a topic that Run has
+//     not read yet starts the whole read (about 200 to 400 ms per 100,000
+//     records) in the background and waits for it Config.ViewWait
+//     (default 150 ms); past that it shows the records indexed so far
+//     (the read indexes 5,000 at a time) with a note. Lists show 100
 //     rows a page (keyset pages by partition/offset); counts, the dry run
 //     and the redrive cover every match.
 //   - A JetStream stream is indexed the same way, read through an ordered
@@ -120,11 +146,15 @@
 //     a first read takes about 100 ms per 10,000 dead letters (1 s per
 //     100,000); later views of 10,000 take 2 to 5 ms, where reading the
 //     stream whole (natsconsumer.DeadLetters) takes about 80 ms.
-//   - A RabbitMQ queue is listed whole at each view: on the local
-//     RabbitMQ a page of a queue of 10,000 dead letters takes 0.35 to
-//     1.1 s, on average 1.0 to 1.45 times one rabbitconsumer listing of it
-//     (the wait for the messages to be back, and the hashing, make the
-//     rest; BenchmarkConsoleRabbitPages measures both in each round).
+//   - A RabbitMQ queue's pages are served from its snapshot (above): on
+//     the local RabbitMQ a page of a queue of 10,000 dead letters takes 4
+//     to 17 ms where one rabbitconsumer listing of it takes 0.45 to 0.7 s
+//     (BenchmarkConsoleRabbitPages measures both in each round); the first
+//     view in a console just started takes Config.ViewWait and says that
+//     the listing goes on. At 100,000 dead letters the pages take 10 to
+//     41 ms (the dry run of 33,334 matches 97 to 143 ms), a listing 4 to
+//     13 s: the views no longer pay it, but a dry run on a snapshot over a
+//     minute old does (Console.Run keeps it younger).
 //   - The inbox is counted exactly up to 100,000 rows; above, its total
 //     is the planner's estimate (or, for a table never analyzed, a block
 //     sample's rows scaled by its share of the pages: within about 5 %),
@@ -135,7 +165,7 @@
 //     one join.
 //
 // Not done here: the dead letters of brokers other than Kafka, JetStream
-// and RabbitMQ, consumer lag of JetStream and RabbitMQ consumers, a
+// and RabbitMQ, RabbitMQ's unacknowledged counts (management plugin), a
 // dead-letter index shared between console processes (each reads the
 // topics and streams itself), and a numbering of RabbitMQ dead letters
 // shared between them.

@@ -33,6 +33,13 @@ type lagRow struct {
 	// without an earlier sample).
 	Trend int64
 	Since time.Duration
+	// A RabbitMQ queue's consumers (its Lag the messages ready), and a
+	// JetStream consumer's messages awaiting acknowledgement, redelivered,
+	// pull requests waiting and last delivery (its Lag the messages
+	// pending): see rabbitLag and jetStreamLag.
+	Consumers                        int
+	AckPending, Redelivered, Waiting int64
+	Active                           time.Time
 }
 
 // lagSample is the lag of every partition at one time.
@@ -161,6 +168,7 @@ type classCount struct {
 	Counts map[dlq.Class]int
 	Total  int
 	Err    string
+	Note   string // what the index counted misses (a read under way)
 }
 
 // sourceCounts is a source's places with their dead letters by class.
@@ -275,6 +283,7 @@ func (s *server) readiness(ctx context.Context, d *overviewData) []notReady {
 				fmt.Sprintf("%d records behind on %s and no member consumes (state %s)", r.Lag, r.Topic, r.State)})
 		}
 	}
+	out = append(out, brokersNotReady(d, time.Now())...)
 	if d.Outbox.Parked > 0 {
 		out = append(out, notReady{"outbox", fmt.Sprintf("%d parked rows hold their keys' later rows back (retry or discard them)", d.Outbox.Parked)})
 	}
@@ -296,6 +305,11 @@ type overviewData struct {
 	LagErr     string
 	TrendSince time.Duration // how far back the lag samples go
 	NoKafka    bool          // only JetStream or RabbitMQ is configured: no lag to show
+	// The backlog of the RabbitMQ queues and the JetStream consumers, with
+	// its trend (lagRow), when they are configured.
+	Rabbit, JetStream       []lagRow
+	RabbitErr, JetStreamErr string
+	HasRabbit, HasJetStream bool
 	// DeadLetters are every source's places; AnyPlaces: one has a place.
 	DeadLetters []sourceCounts
 	AnyPlaces   bool
@@ -336,6 +350,20 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 			d.Lag, err = s.lag(ctx)
 			d.LagErr = errText(err)
 			d.TrendSince = s.lagHistory.span(time.Now()).Truncate(time.Second)
+		})
+	}
+	if d.HasRabbit = s.rabbit != nil; d.HasRabbit {
+		wg.Go(func() {
+			var err error
+			d.Rabbit, err = s.rabbitLag(ctx)
+			d.RabbitErr = errText(err)
+		})
+	}
+	if d.HasJetStream = s.jetstream != nil; d.HasJetStream {
+		wg.Go(func() {
+			var err error
+			d.JetStream, err = s.jetStreamLag(ctx)
+			d.JetStreamErr = errText(err)
 		})
 	}
 	wg.Go(func() {
@@ -388,8 +416,8 @@ func (s *server) overview(ctx context.Context, r *http.Request, v *view) (string
 // to times.
 func (s *server) countClasses(ctx context.Context, src deadLetterSource, place string, times *deadLetterTimes) classCount {
 	cc := classCount{Topic: place, Counts: map[dlq.Class]int{}}
-	ti, err := src.sync(ctx, place)
-	cc.Err = errText(err)
+	ti, note, err := src.view(ctx, place, s.cfg.ViewWait)
+	cc.Err, cc.Note = errText(err), note
 	if err == nil {
 		ti.each(func(e dlq.Entry) bool {
 			cc.Total++

@@ -201,23 +201,45 @@ func (q dlqQuery) filter(refs []string) (dlq.Filter, error) {
 	return f, err
 }
 
+// freshness is how current the index that list selects from must be.
+type freshness int
+
+const (
+	// viewed: a page's view, brought up to date within Config.ViewWait, or as
+	// it stands with a note.
+	viewed freshness = iota
+	// current: brought up to date, however long it takes (a dry run).
+	current
+	// live: read from the broker now (an action): a RabbitMQ queue listed.
+	live
+)
+
 // list returns the entries that q selects (and refs, when given), in
 // partition and offset order, as dlq.List would on the whole topic (or
 // natsconsumer.DeadLetters on the whole stream), with the source of q's
-// place. Their records come from the index: they have no value (see
-// withValues).
-func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Entry, deadLetterSource, error) {
+// place, and the index's note when it misses some (viewed). Their records
+// come from the index: they have no value (see withValues).
+func (s *server) list(ctx context.Context, q dlqQuery, refs []string, fresh freshness) ([]dlq.Entry, deadLetterSource, string, error) {
 	f, err := q.filter(refs)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, "", err
 	}
 	src, err := s.source(q.Where())
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, "", err
 	}
-	t, err := src.sync(ctx, q.Topic)
+	var t *topicIndex
+	var note string
+	switch fresh {
+	case live:
+		t, err = src.sync(ctx, q.Topic)
+	case current:
+		t, note, err = src.view(ctx, q.Topic, 0)
+	default:
+		t, note, err = src.view(ctx, q.Topic, s.cfg.ViewWait)
+	}
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, "", err
 	}
 	// Refs are looked up by partition and offset, not formatted for every
 	// record (Filter.Match's way); a ref that names another topic (another
@@ -260,7 +282,7 @@ func (s *server) list(ctx context.Context, q dlqQuery, refs []string) ([]dlq.Ent
 		out = append(out, e)
 		return true
 	})
-	return out, src, nil
+	return out, src, note, nil
 }
 
 type dlqData struct {
@@ -274,6 +296,7 @@ type dlqData struct {
 	First   int         // the position of Entries[0] among the matches, from 1
 	Next    string      // the query of the next page; empty on the last
 	Query   string      // the filter as a URL query
+	Note    string      // what the index shown misses (a read under way)
 }
 
 // placeList is a source's places, or why they are unknown.
@@ -345,7 +368,8 @@ func (s *server) deadLetters(ctx context.Context, r *http.Request, v *view) (str
 			return "dlq.html", err
 		}
 	}
-	entries, _, err := s.list(ctx, d.Q, nil)
+	entries, _, note, err := s.list(ctx, d.Q, nil, viewed)
+	d.Note = note
 	if err != nil {
 		return "dlq.html", err
 	}
@@ -409,12 +433,12 @@ func (s *server) record(ctx context.Context, r *http.Request, v *view) (string, 
 	if ref == "" {
 		return "record.html", badRequest{"ref: name a record as partition/offset"}
 	}
-	entries, src, err := s.list(ctx, dlqQuery{Param: q.Param, Topic: q.Topic}, []string{ref})
+	entries, src, note, err := s.list(ctx, dlqQuery{Param: q.Param, Topic: q.Topic}, []string{ref}, viewed)
 	if err != nil {
 		return "record.html", err
 	}
 	if len(entries) == 0 {
-		return "record.html", badRequest{fmt.Sprintf("no record %s in %s", ref, q.place())}
+		return "record.html", badRequest{strings.TrimSpace(fmt.Sprintf("no record %s in %s. %s", ref, q.place(), note))}
 	}
 	if entries, err = src.withValues(ctx, q.Topic, entries[:1]); err != nil {
 		return "record.html", err
@@ -503,7 +527,7 @@ func (s *server) dlqConfirm(ctx context.Context, r *http.Request, v *view) (stri
 	if len(d.Refs) == 0 && q.Get("all") != "1" {
 		return "confirm.html", badRequest{"select records, or redrive all that match the filter"}
 	}
-	entries, src, err := s.list(ctx, d.Q, d.Refs)
+	entries, src, _, err := s.list(ctx, d.Q, d.Refs, current)
 	if err != nil {
 		return "confirm.html", err
 	}
@@ -544,7 +568,7 @@ func (s *server) dlqRedrive(ctx context.Context, r *http.Request) (string, url.V
 		// restart) name other messages here.
 		return "", nil, "", nil, badRequest{fmt.Sprintf("the records of %s were numbered by another console process, or before this one restarted: run the dry run again", q.place())}
 	}
-	entries, _, err := s.list(ctx, q, refs)
+	entries, _, _, err := s.list(ctx, q, refs, live)
 	if err != nil {
 		return "", nil, "", nil, err
 	}

@@ -7,8 +7,10 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -26,9 +28,13 @@ var rabbitKind = sourceKind{Param: "queue", Noun: "queue", Broker: "RabbitMQ", O
 // rabbitconsumer.OpenDeadLetters. A queue is not a log: it cannot be read
 // from an offset on, and a listing delivers every message to the console,
 // which holds them (invisible to any other consumer of the queue) until it
-// closes the listing. So every use of a queue (each view, each redrive) is
-// a listing of its own, closed before the request ends, and no listing is
-// kept between requests; Console.Run does not read the queues.
+// closes the listing. So no listing is kept open between requests: each
+// listing is closed before the request (or the round of Console.Run) that
+// made it ends, and the pages are served from a snapshot, the index of the
+// last listing (see view). An action lists the queue itself: a confirmed
+// redrive selects from a listing of its own (and redrives from another,
+// as rabbitconsumer.DeadLetterQueue.Redrive must), never from the
+// snapshot.
 //
 // A listing's positions are not stable (a redrive, or another reader,
 // shifts them), so the console numbers the dead letters itself: a message
@@ -44,9 +50,10 @@ var rabbitKind = sourceKind{Param: "queue", Noun: "queue", Broker: "RabbitMQ", O
 // one process: a confirmation carries the process's numbering (see
 // numbering) and is refused by another, or after a restart.
 type rabbitSource struct {
-	url    string
-	queues []string
-	epoch  string // this process's numbering
+	url     string
+	queues  []string
+	epoch   string        // this process's numbering
+	timeout time.Duration // Config.Timeout: a listing's in the background
 
 	mu sync.Mutex
 	qs map[string]*rabbitQueue
@@ -62,6 +69,13 @@ type rabbitQueue struct {
 	// whole is the last listing's records, with value and headers, by
 	// number (withValues).
 	whole map[int64]*kgo.Record
+	// snap is the index of the last listing, taken at at, which held
+	// held messages (copies included): the pages' snapshot (view).
+	snap *topicIndex
+	at   time.Time
+	held int
+
+	bg background // the listing that views start
 }
 
 // seenMessage is the numbers of the messages with one hash, in listing
@@ -75,12 +89,12 @@ type seenMessage struct {
 // kept: a message held by another reader meanwhile keeps its number.
 const forgetAfter = 10 * time.Minute
 
-func newRabbitSource(url string, queues []string) *rabbitSource {
+func newRabbitSource(url string, queues []string, timeout time.Duration) *rabbitSource {
 	b := make([]byte, 8)
 	_, _ = rand.Read(b)
 	queues = slices.Clone(queues)
 	slices.Sort(queues)
-	return &rabbitSource{url: url, queues: slices.Compact(queues), epoch: hex.EncodeToString(b), qs: map[string]*rabbitQueue{}}
+	return &rabbitSource{url: url, queues: slices.Compact(queues), epoch: hex.EncodeToString(b), qs: map[string]*rabbitQueue{}, timeout: timeout}
 }
 
 func (*rabbitSource) kind() sourceKind { return rabbitKind }
@@ -176,8 +190,8 @@ func messageHash(rec *kgo.Record) [sha256.Size]byte {
 	return out
 }
 
-// sync lists the queue (and closes the listing) and indexes what it
-// listed, by number: an index of the request's own, as the listing is.
+// sync lists the queue (and closes the listing), indexes what it listed
+// by number, and keeps the index as the queue's snapshot.
 func (r *rabbitSource) sync(ctx context.Context, name string) (*topicIndex, error) {
 	q, err := r.queue(name)
 	if err != nil {
@@ -190,6 +204,12 @@ func (r *rabbitSource) sync(ctx context.Context, name string) (*topicIndex, erro
 		return nil, err
 	}
 	r.close(ctx, name, dl, held(entries))
+	return q.store(name, entries, nums), nil
+}
+
+// store indexes a listing's entries (nums their numbers) and keeps the
+// index as the queue's snapshot, and their records whole for withValues.
+func (q *rabbitQueue) store(name string, entries []dlq.Entry, nums []int64) *topicIndex {
 	order := make([]int, len(entries))
 	for i := range order {
 		order[i] = i
@@ -208,12 +228,117 @@ func (r *rabbitSource) sync(ctx context.Context, name string) (*topicIndex, erro
 		listed[i] = e
 		next = max(next, nums[k]+1)
 	}
-	q.mu.Lock()
-	q.whole = whole
-	q.mu.Unlock()
 	ix := &topicIndex{parts: map[int32]*partIndex{}, ids: map[idKey]*identity{}}
 	ix.addEntries(listed, map[int32]int64{0: next})
-	return ix, nil
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.whole, q.snap, q.at, q.held = whole, ix, time.Now(), held(entries)
+	return ix
+}
+
+// relistGap is the least time between two listings of a queue that views
+// start: a queue whose count keeps changing is listed at most that often
+// (besides the actions' and Console.Run's listings).
+const relistGap = 2 * time.Second
+
+// snapshotMaxAge is the age past which a view (or Console.Run) lists a
+// queue again although its count did not change: one message taken and
+// another dead-lettered leave the count as it was.
+const snapshotMaxAge = time.Minute
+
+// view serves the pages from the queue's snapshot, the index of its last
+// listing, while the queue still holds as many messages ready as that
+// listing did and the snapshot is younger than snapshotMaxAge (a passive
+// declaration tells, without listing). Otherwise it lists the queue in the
+// background (one listing at a time, and from views at most once in
+// relistGap) and waits for it up to budget (0: until it is done); past
+// that, the page shows the snapshot with a note that gives its time and
+// the count now.
+func (r *rabbitSource) view(ctx context.Context, name string, budget time.Duration) (*topicIndex, string, error) {
+	q, err := r.queue(name)
+	if err != nil {
+		return nil, "", err
+	}
+	ready, err := r.ready(ctx, name)
+	if err != nil {
+		return nil, "", err
+	}
+	q.mu.Lock()
+	snap, at, n := q.snap, q.at, q.held
+	q.mu.Unlock()
+	age := time.Since(at)
+	if snap != nil && (ready == n && age < snapshotMaxAge || budget > 0 && age < relistGap) {
+		return snap, stale(name, at, n, ready), nil
+	}
+	ended, err := q.bg.wait(ctx, budget, r.timeout, func(ctx context.Context) error {
+		_, err := r.sync(ctx, name)
+		return err
+	})
+	if err != nil {
+		return nil, "", err
+	}
+	if ended {
+		q.mu.Lock()
+		defer q.mu.Unlock()
+		return q.snap, "", nil
+	}
+	if snap == nil {
+		empty := &topicIndex{parts: map[int32]*partIndex{}, ids: map[idKey]*identity{}}
+		return empty, fmt.Sprintf("Listing queue %s (%d messages ready) in the background: reload in a moment to see them.", name, ready), nil
+	}
+	return snap, strings.TrimSpace(stale(name, at, n, ready) + " A new listing is under way: reload to see it."), nil
+}
+
+// stale is the note of a snapshot of n messages taken at at, of a queue
+// that holds ready now: none when they are as many.
+func stale(name string, at time.Time, n, ready int) string {
+	if n == ready {
+		return ""
+	}
+	return fmt.Sprintf("Shown is the listing of queue %s taken at %s, of %d messages; it holds %d ready now.", name, formatTime(at), n, ready)
+}
+
+// ready is the number of messages ready in queue, from a passive
+// declaration.
+func (r *rabbitSource) ready(ctx context.Context, queue string) (int, error) {
+	ch, done, err := r.channel(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("dead letters: RabbitMQ at %s: %w", outbound.RedactURL(r.url), err)
+	}
+	defer done()
+	st, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if ae := (*amqp.Error)(nil); errors.As(err, &ae) && ae.Code == amqp.NotFound {
+		return 0, fmt.Errorf("dead letters: queue %s does not exist: %w", queue, err)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("dead letters: queue %s: %w", queue, err)
+	}
+	return st.Messages, nil
+}
+
+// dial opens a connection of the console's own, within returnWait (and
+// ctx's deadline).
+func (r *rabbitSource) dial(ctx context.Context) (*amqp.Connection, error) {
+	timeout := returnWait
+	if d, ok := ctx.Deadline(); ok {
+		timeout = min(timeout, time.Until(d))
+	}
+	return amqp.DialConfig(r.url, amqp.Config{Dial: amqp.DefaultDial(timeout)})
+}
+
+// channel opens a connection of its own and a channel on it; done closes
+// them.
+func (r *rabbitSource) channel(ctx context.Context) (*amqp.Channel, func(), error) {
+	conn, err := r.dial(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		_ = conn.Close()
+		return nil, nil, err
+	}
+	return ch, func() { _ = conn.Close() }, nil
 }
 
 // withValues returns the entries' messages whole, as the listing of the
@@ -268,6 +393,11 @@ func (r *rabbitSource) redrive(ctx context.Context, entries []dlq.Entry, opts dl
 		}
 	}
 	results, err := dl.Redrive(ctx, picked, opts)
+	// What the listing still holds is the queue's snapshot: the pages the
+	// redrive leads to show it without the messages redriven.
+	if rest, lerr := dl.Entries(ctx, dlq.Filter{}); lerr == nil {
+		q.store(name, rest, q.number(rest))
+	}
 	removed := 0
 	for _, res := range results {
 		if res.Action == dlq.Redriven {
@@ -321,15 +451,11 @@ func (r *rabbitSource) close(ctx context.Context, queue string, dl *rabbitconsum
 	}
 	ctx, cancel := context.WithTimeout(ctx, returnWait)
 	defer cancel()
-	conn, err := amqp.DialConfig(r.url, amqp.Config{Dial: amqp.DefaultDial(returnWait)})
+	ch, done, err := r.channel(ctx)
 	if err != nil {
 		return
 	}
-	defer func() { _ = conn.Close() }()
-	ch, err := conn.Channel()
-	if err != nil {
-		return
-	}
+	defer done()
 	poll := time.Millisecond
 	for {
 		st, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)

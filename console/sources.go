@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -33,8 +34,13 @@ type deadLetterSource interface {
 	kind() sourceKind
 	// places returns the dead-letter places shown, sorted.
 	places(ctx context.Context) ([]string, error)
-	// sync brings the index of place up to date and returns it.
+	// sync brings the index of place up to date and returns it: what an
+	// action selects from.
 	sync(ctx context.Context, place string) (*topicIndex, error)
+	// view returns the index of place for a page, brought up to date
+	// within budget (0: no limit but ctx's), or as it stands with a note
+	// that says what it misses.
+	view(ctx context.Context, place string, budget time.Duration) (*topicIndex, string, error)
 	// withValues returns entries (of place's index) with their records read
 	// whole, or an error naming one that is no longer there.
 	withValues(ctx context.Context, place string, entries []dlq.Entry) ([]dlq.Entry, error)
@@ -116,6 +122,16 @@ func (k kafkaSource) sync(ctx context.Context, topic string) (*topicIndex, error
 	return k.s.dlq.sync(ctx, topic)
 }
 
+func (k kafkaSource) view(ctx context.Context, topic string, budget time.Duration) (*topicIndex, string, error) {
+	if topic == "" {
+		return nil, "", badRequest{"topic: choose a dead-letter topic"}
+	}
+	if len(k.s.dlq.opts) == 0 {
+		return nil, "", errNoKafka
+	}
+	return viewIndex(ctx, k, k.s.dlq.ix.get(topic), topic, budget, k.s.cfg.Timeout)
+}
+
 func (k kafkaSource) withValues(ctx context.Context, topic string, entries []dlq.Entry) ([]dlq.Entry, error) {
 	return k.s.dlq.withValues(ctx, topic, entries)
 }
@@ -154,6 +170,7 @@ type jetStreamSource struct {
 	js      jetstream.JetStream
 	streams []string // configured; none: discovered
 	ix      indexes
+	timeout time.Duration // Config.Timeout: a refresh's in the background
 }
 
 func (*jetStreamSource) kind() sourceKind { return jetStreamKind }
@@ -230,6 +247,16 @@ func (j *jetStreamSource) sync(ctx context.Context, stream string) (*topicIndex,
 		}
 		t.reset() // a message was deleted inside what was read before
 	}
+}
+
+func (j *jetStreamSource) view(ctx context.Context, stream string, budget time.Duration) (*topicIndex, string, error) {
+	if stream == "" {
+		return nil, "", badRequest{"stream: choose a dead-letter stream"}
+	}
+	if err := j.connected(); err != nil {
+		return nil, "", err
+	}
+	return viewIndex(ctx, j, j.ix.get(stream), stream, budget, j.timeout)
 }
 
 // connected fails at once while the connection is down, rather than at

@@ -204,7 +204,7 @@ func browser(t *testing.T) (run func(what string, actions ...chromedp.Action), s
 func TestConsoleJetStreamInBrowser(t *testing.T) {
 	env := seedNATSConsole(t)
 	run, shot := browser(t)
-	redriveInBrowser(t, run, shot, env.redriveRuns, "stream", env.dlq, env.subject, "jetstream")
+	redriveInBrowser(t, run, shot, env.redriveRuns, "stream", env.dlq, env.subject, "jetstream", env.stream)
 	env.ranOnce("a", "c", "e")
 	var text string
 	run("record",
@@ -226,7 +226,7 @@ func TestConsoleJetStreamInBrowser(t *testing.T) {
 func TestConsoleRabbitMQInBrowser(t *testing.T) {
 	env := seedRabbitConsole(t)
 	run, shot := browser(t)
-	redriveInBrowser(t, run, shot, env.redriveRuns, "queue", env.dlq, env.queue, "rabbitmq")
+	redriveInBrowser(t, run, shot, env.redriveRuns, "queue", env.dlq, env.queue, "rabbitmq", env.queue)
 	env.ranOnce("a", "c", "e")
 	env.settledIn(env.dlq, 2)
 	if ids, _ := env.deadLetterIDs(); !slices.Equal(slices.Sorted(slices.Values(ids)), []string{"b", "d"}) {
@@ -251,15 +251,21 @@ func TestConsoleRabbitMQInBrowser(t *testing.T) {
 // shows place; the operator follows it, filters the permanent dead
 // letters of source with "schema v1" (3 of them), dry-runs a redrive of
 // every match, fixes r's handler and confirms. prefix names the
-// screenshots.
+// screenshots and the overview's section of the broker's backlog (its
+// queues, its consumers), which shows backlog (a queue, a stream) with its
+// consumer.
 func redriveInBrowser(t *testing.T, run func(string, ...chromedp.Action), shot func(string) chromedp.Action, r *redriveRuns,
-	noun, place, source, prefix string) {
+	noun, place, source, prefix, backlog string) {
 	t.Helper()
-	var text string
+	var text, lag string
 	table := "#dlq-" + noun + "s"
-	run("overview", chromedp.Navigate(r.base), chromedp.WaitVisible(table), chromedp.Text(table, &text), shot(prefix+"-overview"))
+	run("overview", chromedp.Navigate(r.base), chromedp.WaitVisible(table), chromedp.Text(table, &text),
+		chromedp.Text("#"+prefix+"-lag", &lag), shot(prefix+"-overview"))
 	if !strings.Contains(text, place) {
 		t.Errorf("overview shows no dead-letter %s:\n%s", noun, text)
+	}
+	if !strings.Contains(lag, backlog) {
+		t.Errorf("overview shows no backlog of %s:\n%s", backlog, lag)
 	}
 	run("filter",
 		chromedp.Click(table+" a"), chromedp.WaitVisible(`form.filter`),

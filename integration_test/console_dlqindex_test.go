@@ -44,7 +44,7 @@ func TestConsoleDeadLetterIndexFollowsTheTopic(t *testing.T) {
 	dlqTopic := k.CreateTopic(t, "idx.dlq", 3)
 	producer := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
 	opts := append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...)
-	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, DeadLetterTopics: []string{dlqTopic}})
+	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, ViewWait: testViewWait, DeadLetterTopics: []string{dlqTopic}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -191,13 +191,7 @@ func getPage(t *testing.T, u string) string {
 func TestConsoleReadsOnlyWhatTheTopicGained(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	k := testenv.NewKafka(t)
-	if k.Cluster == nil {
-		t.Skip("counts the fetch requests of the in-process broker (kfake)")
-	}
-	db := testenv.Migrated(t)
-	topic := testenv.UniqueName("gain") + ".dlq"
-	id := k.CreateTopicNamed(t, topic, 2)
+	k, db, topic, id := kfakeDeadLetterTopic(t, "gain", 2, "counts the fetch requests of the in-process broker (kfake)")
 	producer := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
 	produce := func(p int32, n int) {
 		t.Helper()
@@ -234,7 +228,7 @@ func TestConsoleReadsOnlyWhatTheTopicGained(t *testing.T) {
 		return out
 	}
 	opts := append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...)
-	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, DeadLetterTopics: []string{topic}})
+	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, ViewWait: testViewWait, DeadLetterTopics: []string{topic}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -266,4 +260,59 @@ func TestConsoleReadsOnlyWhatTheTopicGained(t *testing.T) {
 			t.Fatalf("after 3 records on partition 0, fetched from offset %d: the first 25 were read already", o)
 		}
 	}
+}
+
+// A console whose Run has not read a dead-letter topic shows its first
+// view once Config.ViewWait has passed, though the read of the topic is
+// not done (here: the broker holds the fetches back), with a note that it
+// goes on; the read goes on in the background, and a later view shows the
+// whole topic without a note.
+func TestConsoleFirstViewWithinViewWait(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	k, db, topic, _ := kfakeDeadLetterTopic(t, "slow", 1, "holds the in-process broker's (kfake) fetches back")
+	producer := k.Client(t)
+	for i := range 20 {
+		info := &dlq.Info{Topic: "orders", Offset: int64(i), Group: "g", MessageID: fmt.Sprintf("m-%d", i),
+			Attempts: 1, FirstFailure: time.Now(), LastFailure: time.Now(), Class: dlq.ClassPermanent, Error: "no"}
+		if err := producer.ProduceSync(ctx, &kgo.Record{Topic: topic, Value: []byte("v"), Headers: info.Headers()}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	release := make(chan struct{})
+	var releaseOnce sync.Once
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) })
+	k.Cluster.ControlKey(int16(kmsg.Fetch), func(kmsg.Request) (kmsg.Response, error, bool) {
+		k.Cluster.KeepControl()
+		k.Cluster.SleepControl(func() { <-release })
+		return nil, nil, false
+	})
+	opts := append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts...)
+	h, err := console.New(console.Config{Pool: db.Pool, Schema: db.Schema, KafkaOpts: opts, ViewWait: 50 * time.Millisecond,
+		DeadLetterTopics: []string{topic}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	page := getPage(t, srv.URL+"/dlq?topic="+topic)
+	mustContain(t, "first view", page, "0 dead letters match", `class="note"`, "Still reading Kafka topic "+topic, "the 0 records read so far")
+	releaseOnce.Do(func() { close(release) })
+	testenv.Eventually(t, 30*time.Second, "the whole topic in a view", func() bool {
+		page := getPage(t, srv.URL+"/dlq?topic="+topic)
+		return strings.Contains(page, "20 dead letters match") && !strings.Contains(page, `class="note"`)
+	})
+}
+
+// kfakeDeadLetterTopic makes a dead-letter topic of partitions on the
+// in-process broker, or skips the test (why: what it needs kfake for)
+// when the tests run on another, and a migrated database.
+func kfakeDeadLetterTopic(t *testing.T, prefix string, partitions int32, why string) (*testenv.Kafka, *testenv.DB, string, kadm.TopicID) {
+	t.Helper()
+	k := testenv.NewKafka(t)
+	if k.Cluster == nil {
+		t.Skip(why)
+	}
+	topic := testenv.UniqueName(prefix) + ".dlq"
+	return k, testenv.Migrated(t), topic, k.CreateTopicNamed(t, topic, partitions)
 }

@@ -132,7 +132,7 @@ func seedNATSConsole(t *testing.T) *natsConsoleEnv {
 	// The console on a connection of its own, as `oncely console --nats`.
 	_, js := env.ownJetStream()
 	srv := mountConsole(t, console.Config{Pool: env.db.Pool, Schema: env.db.Schema, JetStream: js,
-		DeadLetterStreams: []string{env.dlq}, Actions: true, Logger: slog.New(slog.NewTextHandler(env.logs, nil))})
+		Streams: []string{env.stream}, DeadLetterStreams: []string{env.dlq}, Actions: true, Logger: slog.New(slog.NewTextHandler(env.logs, nil))})
 	env.base = srv.URL + "/ops/"
 	return env
 }
@@ -367,7 +367,7 @@ func TestConsoleJetStreamIndexFollowsTheStream(t *testing.T) {
 	e.publish(subject, "stray", map[string]string{"message-id": "stray"})
 
 	nc, js := e.ownJetStream()
-	h, err := console.New(console.Config{Pool: e.db.Pool, Schema: e.db.Schema, JetStream: js, DeadLetterStreams: []string{e.dlq}})
+	h, err := console.New(console.Config{Pool: e.db.Pool, Schema: e.db.Schema, ViewWait: testViewWait, JetStream: js, DeadLetterStreams: []string{e.dlq}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -447,7 +447,7 @@ func TestConsoleJetStreamIndexFollowsTheStream(t *testing.T) {
 	// Console.Run reads the stream before any view: the first view of a
 	// console that ran receives about nothing.
 	nc2, js2 := e.ownJetStream()
-	c, err := console.New(console.Config{Pool: e.db.Pool, Schema: e.db.Schema, JetStream: js2,
+	c, err := console.New(console.Config{Pool: e.db.Pool, Schema: e.db.Schema, ViewWait: testViewWait, JetStream: js2,
 		DeadLetterStreams: []string{e.dlq}, SampleInterval: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)

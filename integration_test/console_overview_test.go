@@ -9,10 +9,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely"
 	"github.com/oncely/oncely/console"
+	"github.com/oncely/oncely/internal/testenv"
 )
 
 var totalRE = regexp.MustCompile(`<td class="n">(\d+)</td></tr>`)
@@ -51,7 +53,7 @@ func TestConsoleOverviewSaysWhatIsNotReady(t *testing.T) {
 	}
 	runner := &oncely.NotReadyError{Reasons: []oncely.Reason{{Component: "outbox relay", Reason: "publish failed: broker down"},
 		{Component: "database", Reason: "unreachable: timeout"}}}
-	c, err := console.New(console.Config{Pool: env.db.Pool, Schema: env.db.Schema, KafkaOpts: env.consoleKafkaOpts,
+	c, err := console.New(console.Config{Pool: env.db.Pool, Schema: env.db.Schema, ViewWait: testViewWait, KafkaOpts: env.consoleKafkaOpts,
 		DeadLetterTopics: []string{env.dlqTopic}, InboxRetention: time.Hour, SampleInterval: 10 * time.Millisecond,
 		Ready: func() error { return runner }})
 	if err != nil {
@@ -94,5 +96,57 @@ func TestConsoleOverviewSaysWhatIsNotReady(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("Run did not return after its context ended")
+	}
+}
+
+// The overview shows a RabbitMQ queue's backlog (messages ready and
+// consumers, by default of each dead-letter queue's source queue) and
+// finds a queue with messages ready and no consumer not ready; once a
+// consumer takes them, the queue shows its consumer and none ready.
+func TestConsoleOverviewRabbitQueues(t *testing.T) {
+	env := &rabbitConsoleEnv{rabbitEnv: newRabbitEnv(t), redriveRuns: newRedriveRuns()}
+	env.publish(env.queue, "one", "m1", nil)
+	env.publish(env.queue, "two", "m2", nil)
+	env.settledIn(env.queue, 2)
+	srv := mountConsole(t, console.Config{Pool: env.db.Pool, Schema: env.db.Schema, AMQPURL: rabbitURL,
+		DeadLetterQueues: []string{env.dlq, env.dlq + "-missing.dlq"}})
+	op := newOperator(t, "frank")
+	over := op.get(srv.URL + "/ops/")
+	mustContain(t, "overview, no consumer", over, `<section id="rabbitmq-lag">`,
+		`<tr><td>`+env.queue+`</td><td class="n warn">0</td><td class="n warn">2</td><td class="n trend">-</td></tr>`,
+		`<td>RabbitMQ queue &#34;`+env.queue+`&#34;</td><td class="warn">2 messages ready and no consumer</td>`,
+		`<tr><td>`+env.dlq+`-missing</td><td colspan="3" class="err">no such queue</td></tr>`)
+
+	env.start(t.Context(), env.config(env.handler()))
+	testenv.Eventually(t, 30*time.Second, "the queue consumed, its consumer shown", func() bool {
+		return strings.Contains(op.get(srv.URL+"/ops/"), `<tr><td>`+env.queue+`</td><td class="n">1</td><td class="n">0</td>`)
+	})
+	if over := op.get(srv.URL + "/ops/"); strings.Contains(over, "RabbitMQ queue &#34;"+env.queue+"&#34;") {
+		t.Errorf("a consumed queue is not ready:\n%s", over)
+	}
+}
+
+// The overview shows a JetStream durable consumer's messages pending, ack
+// pending and redelivered, and finds a consumer with messages pending to
+// which nothing was ever delivered not ready; the dead-letter stream has
+// no row.
+func TestConsoleOverviewJetStreamConsumers(t *testing.T) {
+	e := newNATSEnv(t)
+	ctx := t.Context()
+	if _, err := e.js.CreateOrUpdateConsumer(ctx, e.stream, jetstream.ConsumerConfig{Durable: "idle-workers", AckPolicy: jetstream.AckExplicitPolicy}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		e.publish(e.subject, "order "+strconv.Itoa(i), nil)
+	}
+	_, js := e.ownJetStream()
+	srv := mountConsole(t, console.Config{Pool: e.db.Pool, Schema: e.db.Schema, JetStream: js, DeadLetterStreams: []string{e.dlq}})
+	op := newOperator(t, "grace")
+	over := op.get(srv.URL + "/ops/")
+	mustContain(t, "overview", over, `<section id="jetstream-lag">`,
+		`<tr><td>idle-workers</td><td>`+e.stream+`</td><td class="n warn">3</td><td class="n">0</td><td class="n">0</td><td class="n">0</td><td>-</td>`,
+		`<td>JetStream consumer &#34;idle-workers&#34; of stream &#34;`+e.stream+`&#34;</td><td class="warn">3 messages pending and nothing delivered ever`)
+	if strings.Contains(over, "<td>"+e.dlq+"</td><td class=\"n") {
+		t.Errorf("the dead-letter stream has a consumer row:\n%s", over)
 	}
 }

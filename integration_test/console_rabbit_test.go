@@ -304,3 +304,99 @@ func TestConsoleRabbitConcurrentConfirmations(t *testing.T) {
 	env.ranOnce("b", "d")
 	env.settledIn(env.dlq, 3)
 }
+
+// The RabbitMQ pages are served from a snapshot, the queue's last listing:
+// views while the queue's count is unchanged list nothing (the dead
+// letters stay ready for other readers); a dead letter that arrives after
+// the snapshot shows in a later view (the count changed: a view lists the
+// queue again, in the background, and until then says that its snapshot
+// is older than the queue). A redrive by filter, confirmed while dead
+// letters inside and outside the filter arrived after the snapshot and
+// after the dry run, redrives exactly those the dry run showed, each once,
+// and touches nothing else.
+func TestConsoleRabbitSnapshot(t *testing.T) {
+	env := seedRabbitConsole(t)
+	op := newOperator(t, "dave")
+	view := func(kv ...string) string {
+		v := url.Values{"queue": {env.dlq}}
+		for i := 0; i+1 < len(kv); i += 2 {
+			v.Set(kv[i], kv[i+1])
+		}
+		return op.get(env.base + "dlq?" + v.Encode())
+	}
+	mustContain(t, "first view", view(), "5 dead letters match")
+	env.settledIn(env.dlq, 5)
+
+	// Views of an unchanged queue: the snapshot. A listing would hold the
+	// dead letters; a reader beside the views always finds all five.
+	reader := env.openDLQ()
+	for i := range 10 {
+		if page := view(); !strings.Contains(page, "5 dead letters match") || strings.Contains(page, `class="note"`) {
+			t.Fatalf("view %d of an unchanged queue: %s", i+1, matchRE.FindString(page))
+		}
+	}
+	if all, err := reader.Entries(t.Context(), dlq.Filter{}); err != nil || len(all) != 5 {
+		t.Fatalf("a listing beside the views: %d dead letters, %v; want 5 (the views hold none)", len(all), err)
+	}
+	_ = reader.Close()
+	env.settledIn(env.dlq, 5)
+
+	// Dead letters after the snapshot: one outside the filter to come
+	// (permanent), one inside (max_attempts). Each view shows the snapshot
+	// with a note until one shows them.
+	env.publishDeadLetterOf(env.dlq, "after-snapshot-out", dlq.ClassPermanent)
+	env.publishDeadLetterOf(env.dlq, "after-snapshot-in", dlq.ClassMaxAttempts)
+	env.settledIn(env.dlq, 7)
+	notes := 0
+	testenv.Eventually(t, 30*time.Second, "the dead letters that came after the snapshot in a view", func() bool {
+		page := view()
+		if strings.Contains(page, "7 dead letters match") {
+			mustContain(t, "view after the snapshot", page, "after-snapshot-out", "after-snapshot-in")
+			return true
+		}
+		mustContain(t, "a view of the snapshot", page, "5 dead letters match", `class="note"`, "it holds 7 ready now")
+		notes++
+		return false
+	})
+	t.Logf("%d views showed the snapshot before the queue's new listing", notes)
+
+	// The dry run of max_attempts: b, d and after-snapshot-in.
+	confirm := op.get(env.base + "dlq-confirm?" + url.Values{"queue": {env.dlq}, "class": {"max_attempts"}, "all": {"1"}}.Encode())
+	mustContain(t, "confirm", confirm, "<strong>3</strong> would be redriven")
+	form := confirmForm(t, confirm)
+	env.publishDeadLetterOf(env.dlq, "after-dry-run-in", dlq.ClassMaxAttempts)
+	env.publishDeadLetterOf(env.dlq, "after-dry-run-out", dlq.ClassUndecodable)
+	env.settledIn(env.dlq, 9)
+	env.fixed.Store(true)
+	code, body, hdr := op.post(env.base+"dlq-redrive", form, "")
+	if code != http.StatusSeeOther {
+		t.Fatalf("confirm: %d %s", code, body)
+	}
+	mustContain(t, "after redrive", op.get(env.base+hdr.Get("Location")), "redrove 3 of 3 selected dead letters", "1 dead letters match", "after-dry-run-in")
+	env.ranOnce("b", "d", "after-snapshot-in")
+	env.settledIn(env.dlq, 6)
+	want := []string{"a", "after-dry-run-in", "after-dry-run-out", "after-snapshot-out", "c", "e"}
+	if ids, _ := env.deadLetterIDs(); !slices.Equal(slices.Sorted(slices.Values(ids)), want) {
+		t.Fatalf("left in the dead-letter queue: %v, want %v", ids, want)
+	}
+}
+
+// A console whose ViewWait passes before a RabbitMQ queue is listed shows
+// the page at once, with a note that the listing goes on, and the dead
+// letters at a later view.
+func TestConsoleRabbitFirstViewWait(t *testing.T) {
+	e := newRabbitEnv(t)
+	for i := range 3 {
+		e.publishDeadLetter(e.dlq, "x"+strconv.Itoa(i))
+	}
+	e.settledIn(e.dlq, 3)
+	srv := mountConsole(t, console.Config{Pool: e.db.Pool, Schema: e.db.Schema, AMQPURL: rabbitURL,
+		DeadLetterQueues: []string{e.dlq}, ViewWait: time.Nanosecond})
+	op := newOperator(t, "erin")
+	page := op.get(srv.URL + "/ops/dlq?" + url.Values{"queue": {e.dlq}}.Encode())
+	mustContain(t, "first view", page, "0 dead letters match", `class="note"`, "Listing queue "+e.dlq+" (3 messages ready) in the background")
+	testenv.Eventually(t, 30*time.Second, "the listing's dead letters in a view", func() bool {
+		return strings.Contains(op.get(srv.URL+"/ops/dlq?"+url.Values{"queue": {e.dlq}}.Encode()), "3 dead letters match")
+	})
+	e.settledIn(e.dlq, 3)
+}

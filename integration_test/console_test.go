@@ -1,6 +1,7 @@
 package integration_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"io"
@@ -216,10 +217,17 @@ func (env *consoleEnv) serve(t *testing.T, actions bool) *httptest.Server {
 		Logger: slog.New(slog.NewTextHandler(env.logs, nil))})
 }
 
+// testViewWait is the console's Config.ViewWait in the tests but those of
+// the wait itself: the pages show each place read whole, as a test expects
+// whatever the machine's load.
+const testViewWait = time.Minute
+
 // mountConsole serves the console of cfg under /ops/, with an Auth hook
-// that names the operator from the X-User header.
+// that names the operator from the X-User header (and ViewWait
+// testViewWait unless cfg has one).
 func mountConsole(t *testing.T, cfg console.Config) *httptest.Server {
 	t.Helper()
+	cfg.ViewWait = cmp.Or(cfg.ViewWait, testViewWait)
 	cfg.Auth = func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			who := r.Header.Get("X-User")

@@ -1440,3 +1440,49 @@ func TestRabbitRedriveUnroutableKeepsDeadLetter(t *testing.T) {
 	}
 	e.settledIn(e.dlq, 1)
 }
+
+// A listing of a quorum dead-letter queue of more messages than one
+// prefetch can count (65,535) takes them all, each once, through a
+// consumer per 65,535 on its channel, and gives them all back on Close.
+// (With one consumer and no prefetch limit, RabbitMQ 3.10 handed over
+// 2,000.)
+func TestRabbitDeadLetterListingBeyondOnePrefetch(t *testing.T) {
+	if testing.Short() {
+		t.Skip("publishes 70,000 messages")
+	}
+	e := newRabbitEnv(t)
+	ctx := t.Context()
+	dq := testenv.UniqueName("oncely-rabbit-big.dlq")
+	ch := e.channel()
+	if _, err := ch.QueueDeclare(dq, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
+	}
+	e.deleteAtEnd(dq)
+	const n = 70_000
+	now := time.Now()
+	publishDeadLetters(t, ch, dq, e.queue, n, func(i int) (*dlq.Info, []byte) {
+		id := "m" + strconv.Itoa(i)
+		return &dlq.Info{Topic: e.queue, Group: "workers", MessageID: id, Attempts: 1,
+			FirstFailure: now, LastFailure: now, Class: dlq.ClassPermanent, Error: "rejected", Timestamp: now}, []byte(id)
+	})
+	e.settledIn(dq, n)
+	q, err := rabbitconsumer.OpenDeadLetters(ctx, rabbitURL, dq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	all, err := q.Entries(ctx, dlq.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := map[string]bool{}
+	for _, en := range all {
+		ids[en.Info.MessageID] = true
+	}
+	if len(all) != n || len(ids) != n {
+		t.Fatalf("the listing took %d messages, %d distinct; want all %d", len(all), len(ids), n)
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	e.settledIn(dq, n)
+}

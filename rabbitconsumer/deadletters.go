@@ -17,8 +17,16 @@ import (
 // ListIdleTimeout bounds the wait for the next message of a listing that
 // has not yet received as many messages as the dead-letter queue held when
 // it started (some were taken or expired meanwhile): the listing ends with
-// what it has.
+// what it has, unless the queue still has messages ready, which RabbitMQ
+// is slow to hand over (a quorum queue still putting back the tens of
+// thousands of messages of a listing just closed): then it waits again,
+// up to listIdleRounds times.
 const ListIdleTimeout = 3 * time.Second
+
+// listIdleRounds bounds the waits of ListIdleTimeout of one listing while
+// its queue has messages ready that do not come (another consumer of a
+// single-active-consumer queue gets them).
+const listIdleRounds = 10
 
 // maxPrefetch is the largest prefetch count AMQP can express (a short).
 const maxPrefetch = 65535
@@ -115,10 +123,16 @@ func (q *DeadLetterQueue) Entries(ctx context.Context, f dlq.Filter) ([]dlq.Entr
 
 // list takes the messages the queue holds: the first with basic.get (a
 // queue that is not a dead-letter queue is refused having given out one
-// message), the others through a consumer whose prefetch is their number,
-// so that RabbitMQ hands over no more than were there at the start, until
-// it has them all or none comes for ListIdleTimeout. The consumer is then
-// cancelled; the messages stay unacknowledged on the channel.
+// message), the others through consumers whose prefetches add up to their
+// number, so that RabbitMQ hands over no more than were there at the
+// start, until it has them all or none comes for ListIdleTimeout (see
+// there). A prefetch counts at most maxPrefetch messages, so a queue of
+// more has a consumer for each maxPrefetch of them, on the same channel
+// (an unlimited prefetch would not do: a quorum queue hands a consumer
+// without a limit 2,000 unacknowledged messages, then waits for acks); the
+// order of such a listing is the queue's within each consumer's share,
+// the shares interleaved. The consumers are then cancelled; the messages
+// stay unacknowledged on the channel.
 func (q *DeadLetterQueue) list(ctx context.Context, refuse bool) ([]*kgo.Record, error) {
 	n, err := q.count()
 	if err != nil || n == 0 {
@@ -146,36 +160,57 @@ func (q *DeadLetterQueue) list(ctx context.Context, refuse bool) ([]*kgo.Record,
 	if err := take(&first); err != nil || n == 1 {
 		return recs, err
 	}
-	prefetch := n - 1
-	if prefetch > maxPrefetch {
-		prefetch = 0 // unlimited: more than a prefetch can count
+	// Every consumer's deliveries into one channel, in the order each
+	// consumer receives them.
+	deliveries := make(chan amqp.Delivery)
+	stop := make(chan struct{})
+	gone := make(chan struct{}, (n-1)/maxPrefetch+1) // a consumer's deliveries ended: cancelled, or the channel closed
+	var wg sync.WaitGroup
+	defer func() { close(stop); wg.Wait() }()
+	for i, left := 0, n-1; left > 0; i++ {
+		prefetch := min(left, maxPrefetch)
+		left -= prefetch
+		if err := q.ch.Qos(prefetch, 0, false); err != nil {
+			return nil, fmt.Errorf("rabbitconsumer: read dead-letter queue %q: basic.qos %d: %w", q.queue, prefetch, err)
+		}
+		tag := fmt.Sprintf("oncely-dlq-list-%d", i)
+		ds, err := q.ch.Consume(q.queue, tag, false, false, false, false, nil)
+		if err != nil {
+			return nil, fmt.Errorf("rabbitconsumer: read dead-letter queue %q: %w", q.queue, err)
+		}
+		// Cancelling leaves the messages unacknowledged on the channel:
+		// Redrive acks some, Close gives back the rest; a message that came
+		// after the last one listed is given back with them.
+		defer func() { _ = q.ch.Cancel(tag, false) }()
+		wg.Go(func() {
+			for d := range ds {
+				select {
+				case deliveries <- d:
+				case <-stop: // the listing ended: what still comes is given back on Close
+				}
+			}
+			gone <- struct{}{}
+		})
 	}
-	if err := q.ch.Qos(prefetch, 0, false); err != nil {
-		return nil, fmt.Errorf("rabbitconsumer: read dead-letter queue %q: basic.qos %d: %w", q.queue, prefetch, err)
-	}
-	const tag = "oncely-dlq-list"
-	deliveries, err := q.ch.Consume(q.queue, tag, false, false, false, false, nil)
-	if err != nil {
-		return nil, fmt.Errorf("rabbitconsumer: read dead-letter queue %q: %w", q.queue, err)
-	}
-	// Cancelling leaves the messages unacknowledged on the channel: Redrive
-	// acks some, Close gives back the rest; a message that came after the
-	// last one listed is given back with them.
-	defer func() { _ = q.ch.Cancel(tag, false) }()
 	idle := time.NewTimer(ListIdleTimeout)
 	defer idle.Stop()
-	for len(recs) < n {
+	for rounds := 0; len(recs) < n; {
 		select {
-		case d, ok := <-deliveries:
-			if !ok {
-				return nil, fmt.Errorf("rabbitconsumer: read dead-letter queue %q: the channel closed", q.queue)
-			}
+		case d := <-deliveries:
 			if err := take(&d); err != nil {
 				return recs, err
 			}
 			idle.Reset(ListIdleTimeout)
+		case <-gone:
+			return nil, fmt.Errorf("rabbitconsumer: read dead-letter queue %q: the channel closed", q.queue)
 		case <-idle.C:
-			return recs, nil // fewer than counted: taken or expired meanwhile
+			// None came for ListIdleTimeout: fewer than counted, taken or
+			// expired meanwhile, unless the queue still has some ready.
+			rounds++
+			if ready, err := q.count(); err != nil || ready == 0 || rounds == listIdleRounds {
+				return recs, nil
+			}
+			idle.Reset(ListIdleTimeout)
 		case <-ctx.Done():
 			return nil, fmt.Errorf("rabbitconsumer: read dead-letter queue %q: %w", q.queue, ctx.Err())
 		}

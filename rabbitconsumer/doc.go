@@ -181,15 +181,17 @@
 // (a passive declaration), takes the first with basic.get, then the rest
 // through a consumer whose prefetch is their number (RabbitMQ hands over
 // no more than were there when the listing began; dead letters that come
-// later are not listed) until it has them all, or none came for
-// ListIdleTimeout. It holds them, unacknowledged, until Close, which
+// later are not listed; past 65,535, AMQP's largest prefetch, a consumer
+// for each 65,535 on the same channel) until it has them all, or none came
+// for ListIdleTimeout while the queue has none ready. It holds them, unacknowledged, until Close, which
 // closes the channel: RabbitMQ puts every message not redriven back in the
 // queue, unchanged (body, properties, headers). Meanwhile the listed
 // messages are invisible to any other consumer of the dead-letter queue,
 // and RabbitMQ's consumer_timeout (30 minutes by default) bounds how long
 // a listing may stay open.
 //
-// The listing order is the queue's order. On a classic queue, a message
+// The listing order is the queue's order (of a queue of more than 65,536
+// messages, within each consumer's share: the shares interleave). On a classic queue, a message
 // given back returns to its place; on a quorum queue (RabbitMQ 3.x) the
 // messages given back are delivered before the others, in the order they
 // were returned, which is the listing's order: both keep the order of a
