@@ -89,14 +89,17 @@ func (rw *recorder) selected(allow map[string]bool) (names, values []string) {
 			hop[textproto.CanonicalMIMEHeaderKey(strings.TrimSpace(name))] = true
 		}
 	}
-	keys := make([]string, 0, len(allow))
-	for k := range rw.sent {
+	var buf [16]string // the keys of most responses fit
+	keys, n := buf[:0], 0
+	for k, vv := range rw.sent {
 		if allow[k] && !hop[k] {
 			keys = append(keys, k)
+			n += len(vv)
 		}
 	}
 	slices.Sort(keys)
-	names, values = []string{}, []string{} // empty arrays, not NULL
+	nv := make([]string, 0, 2*n) // the names, then the values: never nil (empty arrays, not NULL)
+	names, values = nv[:0:n], nv[n:n]
 	for _, k := range keys {
 		for _, v := range rw.sent[k] {
 			names = append(names, k)
