@@ -6,7 +6,6 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
@@ -67,17 +66,11 @@ func (o *brokerOptions) start(command string) (modes []string, stop func(), err 
 			return nil, nil, fmt.Errorf("%s: unknown mode %q (%s)", command, m, brokerModes)
 		}
 	}
-	if o.cpuProfile == "" {
-		return modes, func() {}, nil
-	}
-	f, err := os.Create(o.cpuProfile)
-	if err == nil {
-		err = pprof.StartCPUProfile(f)
-	}
+	stop, err = startCPUProfile(o.cpuProfile)
 	if err != nil {
 		return nil, nil, fmt.Errorf("%s: cpu profile: %w", command, err)
 	}
-	return modes, pprof.StopCPUProfile, nil
+	return modes, stop, nil
 }
 
 // label is mode's name in the report; hand names the hand-written

@@ -2,6 +2,7 @@ package main
 
 import (
 	"os"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -81,4 +82,24 @@ func (m cpuMeter) read() cpuUse {
 
 func (u cpuUse) since(start cpuUse) cpuUse {
 	return cpuUse{app: u.app - start.app, pg: u.pg - start.pg}
+}
+
+// startCPUProfile writes a CPU profile to path until stop is called; with
+// no path it does nothing.
+func startCPUProfile(path string) (stop func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		_ = f.Close()
+	}, nil
 }

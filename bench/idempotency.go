@@ -46,6 +46,7 @@ type idemOptions struct {
 	rounds           int
 	conns            int32
 	only             string
+	cpuProfile       string
 }
 
 // idemPhase is one timed phase of one store: n requests, each a first
@@ -73,6 +74,7 @@ func runIdempotency(args []string) error {
 	var conns int
 	fs.StringVar(&o.only, "store", "", "measure this store alone ("+idemPostgres+", "+idemRedis+" or "+idemHand+"); default all three, with their ratios")
 	fs.IntVar(&conns, "conns", 16, "Postgres pool size (each in-flight request of the Postgres store holds a connection)")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the timed phases to this file (with -store, of that store alone)")
 	_ = fs.Parse(args)
 	o.conns = int32(conns)
 	if o.n <= 0 || o.concurrency <= 0 || o.rounds <= 0 || o.conns <= 0 {
@@ -160,6 +162,11 @@ func runIdempotency(args []string) error {
 		return fmt.Errorf("idempotency: -store %q: want %s, %s or %s", o.only, idemPostgres, idemRedis, idemHand)
 	}
 	var ratios [2][]float64 // per round: Redis store / hand-written, first requests and replays
+	stopProfile, err := startCPUProfile(o.cpuProfile)
+	if err != nil {
+		return fmt.Errorf("idempotency: cpu profile: %w", err)
+	}
+	defer stopProfile()
 	for round := range o.rounds {
 		// Each round starts with another store, so that none always runs
 		// on the machine the previous one warmed up (or loaded).

@@ -23,7 +23,6 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
-	"runtime/pprof"
 	"slices"
 	"strings"
 	"time"
@@ -170,17 +169,12 @@ func main() {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	if o.cpuProfile != "" {
-		f, err := os.Create(o.cpuProfile)
-		if err == nil {
-			err = pprof.StartCPUProfile(f)
-		}
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "bench: cpu profile:", err)
-			os.Exit(1)
-		}
-		defer pprof.StopCPUProfile()
+	stopProfile, err := startCPUProfile(o.cpuProfile)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench: cpu profile:", err)
+		os.Exit(1)
 	}
+	defer stopProfile()
 	if err := run(ctx, o); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)

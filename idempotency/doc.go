@@ -51,7 +51,10 @@
 // query (unless Config.IgnoreQuery), and the SHA-256 of the raw body bytes
 // as received. The body
 // is never parsed or re-serialised: two JSON documents that differ only in
-// whitespace or key order are different requests (422 under one key).
+// whitespace or key order are different requests (422 under one key). The
+// middleware reads the body whole before claiming the key; the handler reads
+// it again from memory (its request's Body, GetBody and ContentLength), and
+// the caller's request is left as it came, but for its body read to the end.
 //
 // # What a client sees
 //

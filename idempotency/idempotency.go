@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"math"
 	"net/http"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -172,8 +172,8 @@ type Middleware struct {
 	store      Store
 	pg         *pgStore // the store of New; nil for NewWithStore
 	cfg        Config
-	methods    map[string]bool
-	replay     map[string]bool // canonical header names
+	methods    map[string]*methodTel // Config.Methods, with their telemetry
+	replay     map[string]bool       // canonical header names
 	retryAfter string
 	hooks      hooks
 	tel        *telemetry.Requests
@@ -232,12 +232,10 @@ func newMiddleware(store Store, pg *pgStore, cfg Config) (*Middleware, error) {
 	if len(cfg.Methods) == 0 {
 		return nil, errors.New("idempotency: Config.Methods: empty (nil: default POST and PATCH)")
 	}
-	methods := make(map[string]bool, len(cfg.Methods))
 	for _, m := range cfg.Methods {
 		if !validToken(m) {
 			return nil, fmt.Errorf("idempotency: Config.Methods: %q is not a valid method", m)
 		}
-		methods[m] = true
 	}
 	for name, v := range map[string]*int64{"MaxBodyBytes": &cfg.MaxBodyBytes, "MaxResponseBytes": &cfg.MaxResponseBytes} {
 		if *v < 0 || *v > MaxBytesLimit {
@@ -285,6 +283,10 @@ func newMiddleware(store Store, pg *pgStore, cfg Config) (*Middleware, error) {
 	if err != nil {
 		return nil, err
 	}
+	methods := make(map[string]*methodTel, len(cfg.Methods))
+	for _, m := range cfg.Methods {
+		methods[m] = newMethodTel(tel, m)
+	}
 	return &Middleware{
 		tel:        tel,
 		store:      store,
@@ -310,19 +312,23 @@ func (m *Middleware) wrap(next http.Handler, required bool) http.Handler {
 		panic("idempotency: nil handler")
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if !m.methods[r.Method] {
+		mt := m.methods[r.Method]
+		if mt == nil {
 			next.ServeHTTP(w, r)
 			return
 		}
 		start := time.Now()
-		ctx, span := m.tel.Start(r.Context(), SpanRequest, telemetry.HTTPRequestMethod.String(r.Method))
+		ctx, span := m.tel.StartWith(r.Context(), SpanRequest, mt.spanOpts)
 		// What a panic (of the handler, or the simulated crash) leaves.
 		res := result{outcome: OutcomeAborted, err: errAborted}
 		defer func() {
-			attrs, spanAttrs := res.attributes(r.Method)
-			m.tel.End(ctx, span, start, attrs, spanAttrs, res.err, res.outcome)
+			var spanAttrs []attribute.KeyValue
+			if span.IsRecording() {
+				spanAttrs = res.spanAttributes()
+			}
+			m.tel.EndMeasure(ctx, span, start, mt.measure(m.tel, res), spanAttrs, res.err, res.outcome)
 		}()
-		res = m.serve(w, r.WithContext(ctx), next, required)
+		res = m.serve(ctx, w, r, next, required)
 	})
 }
 
@@ -387,66 +393,66 @@ func refuse(w http.ResponseWriter, status int, reason, detail string) result {
 	return result{outcome: OutcomeRefused, refusal: reason, status: status}
 }
 
-// serve handles a request of Config.Methods.
-func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler, required bool) result {
+// serve handles a request of Config.Methods; ctx is r's context with the
+// request's span. r itself is left as it came (but for its body, read to
+// the end): the handler gets a copy with ctx and the body to read again,
+// and a request answered without the handler (a replay, a refusal) costs
+// no copy.
+func (m *Middleware) serve(ctx context.Context, w http.ResponseWriter, r *http.Request, next http.Handler, required bool) result {
 	values := r.Header.Values(m.cfg.Header)
 	if len(values) == 0 {
 		if required {
 			return refuse(w, http.StatusBadRequest, RefusalMissingKey, "this endpoint requires an "+m.cfg.Header+" header")
 		}
-		next.ServeHTTP(w, r)
+		next.ServeHTTP(w, r.WithContext(ctx))
 		return result{outcome: OutcomeNoKey}
 	}
 	key, err := parseKey(values, m.cfg.MaxKeyLength)
 	if err != nil {
 		return refuse(w, http.StatusBadRequest, RefusalInvalidKey, m.cfg.Header+": "+err.Error())
 	}
-	scope, res, ok := m.scope(w, r)
+	scope, res, ok := m.scope(ctx, w, r)
 	if !ok {
 		return res
 	}
 
-	// The body is read once, bounded, hashed as received and handed to the
-	// handler again.
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxBodyBytes))
+	// The body is read once, bounded, and hashed as received; the handler
+	// gets it again (run), and otherwise its buffer is reused.
+	body, err := readBody(http.MaxBytesReader(w, r.Body, m.cfg.MaxBodyBytes), r.ContentLength, m.cfg.MaxBodyBytes)
 	if err != nil {
 		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
 			return refuse(w, http.StatusRequestEntityTooLarge, RefusalBodyTooLarge, fmt.Sprintf("the request body exceeds %d bytes", m.cfg.MaxBodyBytes))
 		}
 		return refuse(w, http.StatusBadRequest, RefusalBodyUnreadable, "could not read the request body")
 	}
-	r.Body = io.NopCloser(bytes.NewReader(body))
-	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
-	r.ContentLength = int64(len(body))
-	fp := fingerprint(r.Method, r.URL.EscapedPath(), !m.cfg.IgnoreQuery, r.URL.RawQuery, body)
-
-	return m.run(w, r, next, scope, key, fp)
+	fp := fingerprint(r.Method, r.URL.EscapedPath(), !m.cfg.IgnoreQuery, r.URL.RawQuery, body.b)
+	return m.run(ctx, w, r, next, scope, key, fp, body)
 }
 
 // scope returns the key space of a keyed request, or answers it and returns
 // what became of it and false: 401 when it names no client, 500 when the
 // name cannot be stored.
-func (m *Middleware) scope(w http.ResponseWriter, r *http.Request) (string, result, bool) {
+func (m *Middleware) scope(ctx context.Context, w http.ResponseWriter, r *http.Request) (string, result, bool) {
 	if m.cfg.GlobalScope {
 		return "", result{}, true
 	}
 	var scope string
 	if m.cfg.Scope != nil {
-		scope = m.cfg.Scope(r)
+		scope = m.cfg.Scope(r.WithContext(ctx))
 	} else {
-		scope, _ = Client(r.Context())
+		scope, _ = Client(ctx)
 	}
 	if scope == "" {
 		how := "no idempotency.WithClient in the request context"
 		if m.cfg.Scope != nil {
 			how = "Config.Scope returned an empty name"
 		}
-		m.cfg.Logger.InfoContext(r.Context(), "oncely idempotency: keyed request refused: it names no client", "reason", how)
+		m.cfg.Logger.InfoContext(ctx, "oncely idempotency: keyed request refused: it names no client", "reason", how)
 		return "", refuse(w, http.StatusUnauthorized, RefusalNoClient,
 			"the request names no client, so its "+m.cfg.Header+" cannot be scoped; authenticate"), false
 	}
 	if err := checkScope(scope); err != nil {
-		m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: bad scope", "err", err)
+		m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: bad scope", "err", err)
 		problem(w, http.StatusInternalServerError, "the request was not processed")
 		return "", result{outcome: OutcomeFailed, status: http.StatusInternalServerError, err: err}, false
 	}
@@ -487,23 +493,32 @@ func Client(ctx context.Context) (string, bool) {
 // retry runs afresh; a crash after COMMIT leaves a row whose replay is the
 // response the client missed. Other stores follow the same steps through
 // the Store interface: claim, handler, record or release.
-func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, scope, key string, fp []byte) result {
-	ctx := r.Context()
+func (m *Middleware) run(ctx context.Context, w http.ResponseWriter, r *http.Request, next http.Handler, scope, key string, fp []byte, body bodyBuf) result {
 	claim, err := m.store.Claim(ctx, scope, key, fp, m.cfg.TTL)
-	switch {
-	case err != nil:
-		return m.unavailable(w, r, "claim key", err)
-	case claim.State == ClaimBusy:
-		return m.inProgress(w)
-	case claim.State == ClaimStored:
-		return m.replayStored(w, claim.Stored, fp)
+	if err == nil && claim.State == ClaimTaken && claim.Lease == nil {
+		err = errors.New("the store returned ClaimTaken without a Lease")
+	}
+	if err != nil || claim.State != ClaimTaken {
+		body.free() // the handler does not run: nothing else holds the body
+		switch {
+		case err != nil:
+			return m.unavailable(ctx, w, "claim key", err)
+		case claim.State == ClaimBusy:
+			return m.inProgress(w)
+		case claim.State == ClaimStored:
+			return m.replayStored(w, claim.Stored, fp)
+		default:
+			return m.unavailable(ctx, w, "claim key", fmt.Errorf("the store returned an unknown claim state %d", claim.State))
+		}
 	}
 	lease := claim.Lease
 	defer lease.Release(ctx) // runs on panics too; a no-op after Record
 
 	rec := newRecorder(m.cfg.MaxResponseBytes)
 	hctx := lease.Context(context.WithValue(ctx, ctxKey{}, &request{scope: scope, key: key}))
-	next.ServeHTTP(rec, r.WithContext(hctx))
+	r = r.WithContext(hctx)
+	body.lend(r) // the handler reads the body again; its buffer is the handler's from now on
+	next.ServeHTTP(rec, r)
 	rec.finish()
 
 	switch {
@@ -536,11 +551,11 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.cfg.CommitTimeout)
 	defer cancel()
 	names, values := rec.selected(m.replay)
-	body := rec.body.Bytes()
-	if body == nil {
-		body = []byte{} // an empty body, not NULL
+	resp := rec.body.Bytes()
+	if resp == nil {
+		resp = []byte{} // an empty body, not NULL
 	}
-	err = lease.Record(wctx, StoredResponse{Fingerprint: fp, Status: rec.status, Names: names, Values: values, Body: body})
+	err = lease.Record(wctx, StoredResponse{Fingerprint: fp, Status: rec.status, Names: names, Values: values, Body: resp})
 	if errors.Is(err, ErrLeaseLost) {
 		m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: response not recorded: the key was taken over", "err", err)
 		w.Header().Set("Retry-After", m.retryAfter)
@@ -550,7 +565,7 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	if err != nil {
 		// Not committed, or (a connection lost during COMMIT) unknown:
 		// either way the retry gets a fresh run or the replay.
-		return m.unavailable(w, r, "record response", err)
+		return m.unavailable(ctx, w, "record response", err)
 	}
 	if h := m.hooks.afterCommit; h != nil && h(r) != nil {
 		panic(http.ErrAbortHandler) // the simulated crash: no response at all
@@ -575,8 +590,8 @@ func (m *Middleware) inProgress(w http.ResponseWriter) result {
 	return result{outcome: OutcomeConflict, status: http.StatusConflict}
 }
 
-func (m *Middleware) unavailable(w http.ResponseWriter, r *http.Request, op string, err error) result {
-	m.cfg.Logger.ErrorContext(r.Context(), "oncely idempotency: store failure", "op", op, "err", err)
+func (m *Middleware) unavailable(ctx context.Context, w http.ResponseWriter, op string, err error) result {
+	m.cfg.Logger.ErrorContext(ctx, "oncely idempotency: store failure", "op", op, "err", err)
 	w.Header().Set("Retry-After", m.retryAfter)
 	problem(w, http.StatusServiceUnavailable, "the request was not completed; it is safe to retry")
 	return result{outcome: OutcomeUnavailable, status: http.StatusServiceUnavailable, err: fmt.Errorf("%s: %w", op, err)}

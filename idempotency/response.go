@@ -89,14 +89,17 @@ func (rw *recorder) selected(allow map[string]bool) (names, values []string) {
 			hop[textproto.CanonicalMIMEHeaderKey(strings.TrimSpace(name))] = true
 		}
 	}
-	keys := make([]string, 0, len(allow))
-	for k := range rw.sent {
+	var buf [16]string // the keys of most responses fit
+	keys, n := buf[:0], 0
+	for k, vv := range rw.sent {
 		if allow[k] && !hop[k] {
 			keys = append(keys, k)
+			n += len(vv)
 		}
 	}
 	slices.Sort(keys)
-	names, values = []string{}, []string{} // empty arrays, not NULL
+	nv := make([]string, 0, 2*n) // the names, then the values: never nil (empty arrays, not NULL)
+	names, values = nv[:0:n], nv[n:n]
 	for _, k := range keys {
 		for _, v := range rw.sent[k] {
 			names = append(names, k)
@@ -122,18 +125,44 @@ func writeReplay(w http.ResponseWriter, status int, names, values []string, body
 	for _, n := range names {
 		h.Del(n) // recorded values replace any set by outer handlers
 	}
-	for i, n := range names {
-		h.Add(n, values[i])
+	// Every value set here shares one array: each header's slice is capped
+	// at its own values, so appending to one (here, or later by an outer
+	// handler) copies it rather than overwriting the next.
+	vals := make([]string, 0, len(names)+2)
+	set := func(k, v string) {
+		vals = append(vals, v)
+		h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
 	}
-	h.Set(ReplayedHeader, "true")
-	writeBody(w, status, body)
+	for i, n := range names {
+		k := textproto.CanonicalMIMEHeaderKey(n)
+		if vv, ok := h[k]; ok {
+			h[k] = append(vv, values[i]) // a second value of a header set above
+			continue
+		}
+		set(k, values[i])
+	}
+	set(ReplayedHeader, "true")
+	if bodyAllowed(status) {
+		set("Content-Length", strconv.Itoa(len(body)))
+	} else {
+		h.Del("Content-Length")
+	}
+	send(w, status, body)
 }
 
+// writeBody sends status and body with their Content-Length.
 func writeBody(w http.ResponseWriter, status int, body []byte) {
 	if bodyAllowed(status) {
 		w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 	} else {
 		w.Header().Del("Content-Length")
+	}
+	send(w, status, body)
+}
+
+// send writes status and body (none where status allows none).
+func send(w http.ResponseWriter, status int, body []byte) {
+	if !bodyAllowed(status) {
 		body = nil
 	}
 	w.WriteHeader(status)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/internal/telemetry"
 )
@@ -67,15 +68,62 @@ func newInstruments(cfg *Config) (*telemetry.Requests, error) {
 	return rq, nil
 }
 
-// attributes returns the metric attributes of a request with method, and
-// the span's own.
-func (res result) attributes(method string) (metricAttrs, spanAttrs []attribute.KeyValue) {
-	metricAttrs = []attribute.KeyValue{telemetry.HTTPRequestMethod.String(method), attrOutcome.String(res.outcome)}
+// attributes returns the metric attributes of a request with method.
+func (res result) attributes(method string) []attribute.KeyValue {
+	attrs := []attribute.KeyValue{telemetry.HTTPRequestMethod.String(method), attrOutcome.String(res.outcome)}
 	if res.refusal != "" {
-		metricAttrs = append(metricAttrs, attrRefusal.String(res.refusal))
+		attrs = append(attrs, attrRefusal.String(res.refusal))
 	}
-	if res.status != 0 {
-		spanAttrs = append(spanAttrs, telemetry.HTTPResponseStatusCode.Int(res.status))
+	return attrs
+}
+
+// spanAttributes returns the attributes only the span carries.
+func (res result) spanAttributes() []attribute.KeyValue {
+	if res.status == 0 {
+		return nil
 	}
-	return metricAttrs, spanAttrs
+	return []attribute.KeyValue{telemetry.HTTPResponseStatusCode.Int(res.status)}
+}
+
+// outcomes lists every outcome, and refusals every refusal reason.
+var (
+	outcomes = []string{OutcomeStored, OutcomeNotStored, OutcomeReplayed, OutcomeConflict, OutcomeMismatch,
+		OutcomeRefused, OutcomeFailed, OutcomeUnavailable, OutcomeNoKey, OutcomeAborted}
+	refusals = []string{RefusalMissingKey, RefusalNoClient, RefusalInvalidKey, RefusalBodyTooLarge, RefusalBodyUnreadable}
+)
+
+// methodTel is the telemetry of the requests of one method, built when the
+// Middleware is: the span's start options and the Measure of each outcome,
+// so that instrumenting a request allocates nothing but the span.
+type methodTel struct {
+	method   string
+	spanOpts []trace.SpanStartOption
+	measures map[outcomeKey]*telemetry.Measure // read-only once built
+}
+
+type outcomeKey struct{ outcome, refusal string }
+
+func newMethodTel(tel *telemetry.Requests, method string) *methodTel {
+	mt := &methodTel{
+		method:   method,
+		spanOpts: telemetry.SpanOptions(telemetry.HTTPRequestMethod.String(method)),
+		measures: make(map[outcomeKey]*telemetry.Measure, len(outcomes)+len(refusals)),
+	}
+	for _, o := range outcomes {
+		res := result{outcome: o}
+		mt.measures[outcomeKey{o, ""}] = tel.Measure(res.attributes(method)...)
+	}
+	for _, reason := range refusals {
+		res := result{outcome: OutcomeRefused, refusal: reason}
+		mt.measures[outcomeKey{OutcomeRefused, reason}] = tel.Measure(res.attributes(method)...)
+	}
+	return mt
+}
+
+// measure returns the Measure of res.
+func (mt *methodTel) measure(tel *telemetry.Requests, res result) *telemetry.Measure {
+	if m, ok := mt.measures[outcomeKey{res.outcome, res.refusal}]; ok {
+		return m
+	}
+	return tel.Measure(res.attributes(mt.method)...)
 }

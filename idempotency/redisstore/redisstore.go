@@ -93,10 +93,15 @@ func (s *Store) record(scope, key string) string {
 	b := binary.AppendUvarint(buf[:0], uint64(len(scope)))
 	b = append(append(b, scope...), key...)
 	sum := sha256.Sum256(b)
-	k := make([]byte, 0, len(s.cfg.Prefix)+2+2*len(sum))
-	k = append(k, s.cfg.Prefix...)
-	k = append(hex.AppendEncode(append(k, '{'), sum[:]), '}')
-	return string(k)
+	var hexSum [2 * sha256.Size]byte
+	hex.Encode(hexSum[:], sum[:])
+	var k strings.Builder
+	k.Grow(len(s.cfg.Prefix) + len(hexSum) + 2)
+	k.WriteString(s.cfg.Prefix)
+	k.WriteByte('{')
+	k.Write(hexSum[:])
+	k.WriteByte('}')
+	return k.String()
 }
 
 // The scripts. KEYS[1] is the record hash, KEYS[2] the lock. The record's
@@ -158,14 +163,15 @@ return 1
 // token and the lock.
 func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl time.Duration) (idempotency.Claim, error) {
 	record := s.record(scope, key)
-	switch resp, err := s.rdb.HGet(ctx, record, "resp").Bytes(); {
+	switch resp, err := s.rdb.HGet(ctx, record, "resp").Result(); {
 	case err == nil:
 		return s.stored(record, resp)
 	case !errors.Is(err, redis.Nil):
 		return idempotency.Claim{}, fmt.Errorf("redisstore: read: %w", err)
 	}
 	nonce := strconv.FormatUint(rand.Uint64(), 36) // unique, not secret
-	res, err := claimScript.Run(ctx, s.rdb, []string{record, record + lockSuffix}, s.lockMS, ttl.Milliseconds(), nonce).Slice()
+	keys := []string{record, record + lockSuffix}
+	res, err := claimScript.Run(ctx, s.rdb, keys, s.lockMS, ttl.Milliseconds(), nonce).Slice()
 	if err != nil {
 		return idempotency.Claim{}, fmt.Errorf("redisstore: claim: %w", err)
 	}
@@ -175,16 +181,16 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 		return idempotency.Claim{State: idempotency.ClaimBusy}, nil
 	case state == 2 && len(res) == 2:
 		resp, _ := res[1].(string)
-		return s.stored(record, []byte(resp))
+		return s.stored(record, resp)
 	case state == 3 && len(res) == 2:
 		holder, _ := res[1].(string)
-		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, keys: []string{record, record + lockSuffix}, holder: holder}}, nil
+		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, keys: keys, holder: holder}}, nil
 	}
 	return idempotency.Claim{}, fmt.Errorf("redisstore: claim: unexpected reply %v", res)
 }
 
 // stored returns the claim of the recorded response resp.
-func (s *Store) stored(record string, resp []byte) (idempotency.Claim, error) {
+func (s *Store) stored(record, resp string) (idempotency.Claim, error) {
 	stored, err := decodeResponse(resp)
 	if err != nil {
 		return idempotency.Claim{}, fmt.Errorf("redisstore: corrupt record %s: %w", record, err)
@@ -204,8 +210,8 @@ type lease struct {
 	mu      sync.Mutex
 	stopped bool
 	timer   *time.Timer
-	beating sync.WaitGroup // an extension in flight
-	ctx     context.Context
+	beating sync.WaitGroup  // an extension in flight
+	ctx     context.Context // the request's (heartbeats outlive its cancellation)
 	cancel  context.CancelCauseFunc
 }
 
@@ -215,7 +221,7 @@ func (l *lease) Context(ctx context.Context) context.Context {
 	hctx, cancel := context.WithCancelCause(ctx)
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.ctx, l.cancel = context.WithoutCancel(ctx), cancel
+	l.ctx, l.cancel = ctx, cancel
 	l.timer = time.AfterFunc(l.s.heartbeat, l.beat)
 	return hctx
 }
@@ -231,7 +237,8 @@ func (l *lease) beat() {
 	l.mu.Unlock()
 	defer l.beating.Done()
 
-	cctx, cancel := context.WithTimeout(l.ctx, l.s.heartbeat)
+	ctx := context.WithoutCancel(l.ctx)
+	cctx, cancel := context.WithTimeout(ctx, l.s.heartbeat)
 	ok, err := extendScript.Run(cctx, l.s.rdb, l.keys, l.holder, l.s.lockMS).Int()
 	cancel()
 	switch {
@@ -239,9 +246,9 @@ func (l *lease) beat() {
 		// Redis unreachable: keep trying; the lock lapses after
 		// LockTTL, and the fencing token then refuses our store if a
 		// newer request has claimed the key meanwhile.
-		l.s.cfg.Logger.WarnContext(l.ctx, "oncely redisstore: heartbeat failed", "key", l.keys[0], "err", err)
+		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: heartbeat failed", "key", l.keys[0], "err", err)
 	case ok == 0:
-		l.s.cfg.Logger.WarnContext(l.ctx, "oncely redisstore: claim lost while the handler runs", "key", l.keys[0])
+		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: claim lost while the handler runs", "key", l.keys[0])
 		l.cancel(idempotency.ErrLeaseLost)
 		return
 	}
@@ -304,7 +311,13 @@ func (l *lease) Release(ctx context.Context) {
 // The status comes first, so that decodeResponse refuses a record of
 // another layout early.
 func encodeResponse(r idempotency.StoredResponse) []byte {
-	b := appendField(nil, strconv.Itoa(r.Status))
+	status := strconv.Itoa(r.Status)
+	n := fieldLen(len(status)) + fieldLen(len(r.Fingerprint)) + fieldLen(len(r.Body))
+	for i := range r.Names {
+		n += fieldLen(len(r.Names[i])) + fieldLen(len(r.Values[i]))
+	}
+	b := make([]byte, 0, n)
+	b = appendField(b, status)
 	b = appendField(b, string(r.Fingerprint))
 	b = appendField(b, string(r.Body))
 	for i := range r.Names {
@@ -314,37 +327,83 @@ func encodeResponse(r idempotency.StoredResponse) []byte {
 	return b
 }
 
+// fieldLen is the length of a field of n bytes, with its length.
+func fieldLen(n int) int {
+	var buf [binary.MaxVarintLen64]byte
+	return len(binary.AppendUvarint(buf[:0], uint64(n))) + n
+}
+
 func appendField(b []byte, s string) []byte {
 	b = binary.AppendUvarint(b, uint64(len(s)))
 	return append(b, s...)
 }
 
-// decodeResponse reads what encodeResponse wrote.
-func decodeResponse(b []byte) (idempotency.StoredResponse, error) {
-	next := func() ([]byte, bool) {
-		n, k := binary.Uvarint(b)
-		if k <= 0 || uint64(len(b)-k) < n {
-			return nil, false
+// fields reads the fields encodeResponse wrote, one at a time.
+type fields struct {
+	s   string
+	off int // of the next field's length
+}
+
+// next returns the offsets of the next field's bytes, or ok false at the
+// end of s or where the encoding is broken.
+func (f *fields) next() (start, end int, ok bool) {
+	var n uint64
+	for shift, i := uint(0), f.off; i < len(f.s) && shift < 64; shift, i = shift+7, i+1 {
+		c := f.s[i]
+		if shift == 63 && c > 1 {
+			return 0, 0, false // overflows 64 bits
 		}
-		f := b[k : k+int(n) : k+int(n)]
-		b = b[k+int(n):]
-		return f, true
+		n |= uint64(c&0x7f) << shift
+		if c < 0x80 {
+			if uint64(len(f.s)-i-1) < n {
+				return 0, 0, false
+			}
+			start = i + 1
+			end = start + int(n)
+			f.off = end
+			return start, end, true
+		}
 	}
-	st, ok1 := next()
-	fp, ok2 := next()
-	body, ok3 := next()
-	status, err := strconv.Atoi(string(st))
-	if !ok1 || !ok2 || !ok3 || err != nil || status < 100 || status > 999 {
+	return 0, 0, false
+}
+
+// decodeResponse reads what encodeResponse wrote. Its fingerprint and body
+// share one copy of their bytes; its headers are substrings of s.
+func decodeResponse(s string) (idempotency.StoredResponse, error) {
+	f := fields{s: s}
+	st0, st1, ok1 := f.next()
+	fp0, fp1, ok2 := f.next()
+	b0, b1, ok3 := f.next()
+	if !ok1 || !ok2 || !ok3 {
 		return idempotency.StoredResponse{}, errors.New("bad response encoding")
 	}
-	r := idempotency.StoredResponse{Fingerprint: fp, Status: status, Names: []string{}, Values: []string{}, Body: body}
-	for len(b) > 0 {
-		name, ok1 := next()
-		value, ok2 := next()
+	status, err := strconv.Atoi(s[st0:st1])
+	if err != nil || status < 100 || status > 999 {
+		return idempotency.StoredResponse{}, errors.New("bad response encoding")
+	}
+	headers := f.off
+	n := 0
+	for f.off < len(s) {
+		_, _, ok1 := f.next()
+		_, _, ok2 := f.next()
 		if !ok1 || !ok2 {
 			return idempotency.StoredResponse{}, errors.New("bad header encoding")
 		}
-		r.Names, r.Values = append(r.Names, string(name)), append(r.Values, string(value))
+		n++
+	}
+	raw := []byte(s[fp0:b1]) // the fingerprint, the body's length, the body
+	r := idempotency.StoredResponse{
+		Fingerprint: raw[: fp1-fp0 : fp1-fp0],
+		Status:      status,
+		Body:        raw[b0-fp0 : b1-fp0 : b1-fp0],
+	}
+	nv := make([]string, 2*n) // the names, then the values
+	r.Names, r.Values = nv[:n:n], nv[n:]
+	f.off = headers
+	for i := range n {
+		n0, n1, _ := f.next()
+		v0, v1, _ := f.next()
+		r.Names[i], r.Values[i] = s[n0:n1], s[v0:v1]
 	}
 	return r, nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -59,10 +60,10 @@ type Requests struct {
 	tracer   trace.Tracer
 	count    metric.Int64Counter
 	duration metric.Float64Histogram
-	// sets caches the measurement option of each attribute list seen
-	// (there are a few dozen: method x outcome x refusal), so that a
-	// request does not build and hash an attribute.Set.
-	sets sync.Map // setKey -> metric.MeasurementOption
+	// sets caches the Measure of each attribute list seen (there are a
+	// few dozen: method x outcome x refusal), so that a request does not
+	// build and hash an attribute.Set.
+	sets sync.Map // setKey -> *Measure
 }
 
 // setKey is an attribute list of up to four attributes as a map key.
@@ -83,18 +84,43 @@ func NewRequests(tp trace.TracerProvider, mp metric.MeterProvider, counter, coun
 
 // Start starts the INTERNAL span name of a request.
 func (rq *Requests) Start(ctx context.Context, name string, attrs ...attribute.KeyValue) (context.Context, trace.Span) {
-	return rq.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(attrs...))
+	return rq.StartWith(ctx, name, SpanOptions(attrs...))
+}
+
+// SpanOptions returns the start options of an INTERNAL request span with
+// attrs: build them once for attributes every request shares, and pass them
+// to StartWith.
+func SpanOptions(attrs ...attribute.KeyValue) []trace.SpanStartOption {
+	return []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(attrs...)}
+}
+
+// StartWith starts the span name of a request with opts from SpanOptions.
+func (rq *Requests) StartWith(ctx context.Context, name string, opts []trace.SpanStartOption) (context.Context, trace.Span) {
+	return rq.tracer.Start(ctx, name, opts...)
 }
 
 // End counts a request that began at start and records its duration, both
 // with the attributes attrs; sets attrs and spanAttrs on span, marks it
 // failed when err is not nil (error.type errType), and ends it.
 func (rq *Requests) End(ctx context.Context, span trace.Span, start time.Time, attrs, spanAttrs []attribute.KeyValue, err error, errType string) {
-	set := rq.set(attrs)
-	rq.count.Add(ctx, 1, set)
-	rq.duration.Record(ctx, time.Since(start).Seconds(), set)
+	rq.EndMeasure(ctx, span, start, rq.Measure(attrs...), spanAttrs, err, errType)
+}
+
+// Measure is a metric attribute list of requests with its measurement
+// options, built once (Requests.Measure caches it) so that counting a
+// request allocates nothing.
+type Measure struct {
+	attrs []attribute.KeyValue
+	add   []metric.AddOption
+	rec   []metric.RecordOption
+}
+
+// EndMeasure is End with the attributes of m.
+func (rq *Requests) EndMeasure(ctx context.Context, span trace.Span, start time.Time, m *Measure, spanAttrs []attribute.KeyValue, err error, errType string) {
+	rq.count.Add(ctx, 1, m.add...)
+	rq.duration.Record(ctx, time.Since(start).Seconds(), m.rec...)
 	if span.IsRecording() {
-		span.SetAttributes(attrs...)
+		span.SetAttributes(m.attrs...)
 		span.SetAttributes(spanAttrs...)
 	}
 	if err != nil {
@@ -103,25 +129,30 @@ func (rq *Requests) End(ctx context.Context, span trace.Span, start time.Time, a
 	span.End()
 }
 
-// set returns the measurement option of attrs, cached when attrs holds
-// four attributes or fewer, each of a comparable value (strings, numbers,
+// Measure returns the Measure of attrs, cached when attrs holds four
+// attributes or fewer, each of a comparable value (strings, numbers,
 // booleans: every attribute oncely's requests carry).
-func (rq *Requests) set(attrs []attribute.KeyValue) metric.MeasurementOption {
+func (rq *Requests) Measure(attrs ...attribute.KeyValue) *Measure {
 	if len(attrs) > len(setKey{}) {
-		return metric.WithAttributeSet(attribute.NewSet(attrs...))
+		return newMeasure(attrs)
 	}
 	var k setKey
 	for i, a := range attrs {
 		switch a.Value.Type() {
 		case attribute.STRING, attribute.INT64, attribute.FLOAT64, attribute.BOOL:
 		default:
-			return metric.WithAttributeSet(attribute.NewSet(attrs...))
+			return newMeasure(attrs)
 		}
 		k[i] = a
 	}
-	if o, ok := rq.sets.Load(k); ok {
-		return o.(metric.MeasurementOption)
+	if m, ok := rq.sets.Load(k); ok {
+		return m.(*Measure)
 	}
-	o, _ := rq.sets.LoadOrStore(k, metric.WithAttributeSet(attribute.NewSet(attrs...)))
-	return o.(metric.MeasurementOption)
+	m, _ := rq.sets.LoadOrStore(k, newMeasure(attrs))
+	return m.(*Measure)
+}
+
+func newMeasure(attrs []attribute.KeyValue) *Measure {
+	set := metric.WithAttributeSet(attribute.NewSet(attrs...))
+	return &Measure{attrs: slices.Clone(attrs), add: []metric.AddOption{set}, rec: []metric.RecordOption{set}}
 }
