@@ -381,7 +381,8 @@ var ErrNotMigrated = errors.New("consumer: a table of oncely's schema does not e
 // checkTables fails Run at start-up when a table the consumer uses is
 // missing: the inbox (migration 0001), redrive_grants (0007; the claim of
 // every record carrying dlq.HeaderRedrive uses it) and, unless
-// CrashLoopLimit is -1, partition_owners (0006). The schema was never
+// CrashLoopLimit is -1, partition_owners (0006) with its in_flight column
+// (0008). The schema was never
 // migrated, or not to the latest version, or Config.Schema names another
 // schema than the migrations did: the statements on a missing table would
 // fail (42P01) on the first record that needs them. The tables are looked
@@ -405,6 +406,18 @@ func (c *Consumer) checkTables(ctx context.Context) error {
 		}
 		if !found {
 			missing = append(missing, table)
+		}
+	}
+	if c.crashLoopOn() && !slices.Contains(missing, c.owners.table) {
+		// Migration 0008 added a column the consumer writes.
+		var found bool
+		if err := c.cfg.Pool.QueryRow(cctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'in_flight' AND NOT attisdropped)`,
+			c.owners.table).Scan(&found); err != nil {
+			c.cfg.Logger.Warn("oncely consumer could not check its tables at start-up", "table", c.owners.table, "err", err)
+			return nil
+		}
+		if !found {
+			missing = append(missing, c.owners.table+".in_flight")
 		}
 	}
 	if len(missing) > 0 {

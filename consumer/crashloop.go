@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/dedup"
@@ -73,9 +74,12 @@ func newOwnerQueries(schema string) *ownerQueries {
 	// record is dead-lettered in the inbox before it runs, and takes its
 	// grant (in its transaction) only when it finishes. A mark the probe
 	// left on a finished record therefore counts for nothing.
-	died := `p.running_offset IS NOT NULL AND (p.running_id IS NULL OR NOT EXISTS (SELECT 1 FROM ` + sqlident.Table(schema, "inbox") +
-		` i WHERE i.consumer_group = p.consumer_group AND i.message_id = p.running_id AND (i.outcome = 'processed' OR NOT EXISTS (SELECT 1 FROM ` +
-		sqlident.Table(schema, "redrive_grants") + ` g WHERE g.consumer_group = i.consumer_group AND g.message_id = i.message_id))))`
+	finished := func(group, id string) string {
+		return `EXISTS (SELECT 1 FROM ` + sqlident.Table(schema, "inbox") +
+			` i WHERE i.consumer_group = ` + group + ` AND i.message_id = ` + id + ` AND (i.outcome = 'processed' OR NOT EXISTS (SELECT 1 FROM ` +
+			sqlident.Table(schema, "redrive_grants") + ` g WHERE g.consumer_group = i.consumer_group AND g.message_id = i.message_id)))`
+	}
+	died := `p.running_offset IS NOT NULL AND (p.running_id IS NULL OR NOT ` + finished("p.consumer_group", "p.running_id") + `)`
 	key := `consumer_group = $1 AND topic = $2 AND partition = $3`
 	return &ownerQueries{
 		table: t,
@@ -84,21 +88,31 @@ func newOwnerQueries(schema string) *ownerQueries {
 		// read before the row is overwritten) gives the suspect's id when
 		// the process died running it with its id known: a suspect
 		// dead-lettered by that id needs no KeyFunc call, which may be
-		// what kills the process.
-		start: `WITH prev AS (SELECT running_offset, running_id FROM ` + t + ` WHERE ` + key + ` FOR UPDATE)
-			INSERT INTO ` + t + ` AS p (consumer_group, topic, partition, owner) VALUES ($1, $2, $3, $4)
+		// what kills the process. So does the dead owner's in_flight: how
+		// many of the partition's unfinished records the probe must run.
+		// The INSERT reads prev first: read only by RETURNING, after the
+		// row was updated, its FOR UPDATE would skip the row this very
+		// statement changed, and find nothing.
+		start: `WITH prev AS (SELECT running_offset, running_id, in_flight FROM ` + t + ` WHERE ` + key + ` FOR UPDATE)
+			INSERT INTO ` + t + ` AS p (consumer_group, topic, partition, owner, in_flight)
+			SELECT $1, $2, $3, $4, $5 FROM (SELECT count(*) FROM prev) AS read_first
 			ON CONFLICT (consumer_group, topic, partition) DO UPDATE SET owner = excluded.owner, started_at = now(),
+				in_flight = excluded.in_flight,
 				deaths = p.deaths + 1,
 				suspect_kills = CASE WHEN NOT (` + died + `) THEN p.suspect_kills
 					WHEN p.suspect_offset = p.running_offset THEN p.suspect_kills + 1 ELSE 1 END,
 				suspect_offset = CASE WHEN ` + died + ` THEN p.running_offset ELSE p.suspect_offset END,
 				running_offset = NULL, running_id = NULL
 			RETURNING p.deaths, p.suspect_offset, p.suspect_kills,
-				(SELECT prev.running_id FROM prev WHERE prev.running_offset = p.suspect_offset)`,
+				(SELECT prev.running_id FROM prev WHERE prev.running_offset = p.suspect_offset),
+				(SELECT prev.in_flight FROM prev)`,
 		mark: `UPDATE ` + t + ` SET running_offset = $5, running_id = $6
 			WHERE ` + key + ` AND owner = $4`,
+		// markID also says whether the record finished before (it will
+		// not run again): a probe counts only the records that had not.
 		markID: `UPDATE ` + t + ` SET running_id = $6
-			WHERE ` + key + ` AND owner = $4 AND running_offset = $5`,
+			WHERE ` + key + ` AND owner = $4 AND running_offset = $5
+			RETURNING ` + finished("$1", "$6"),
 		forget: `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND owner = ANY($2)`,
 	}
 }
@@ -109,6 +123,23 @@ type ownership struct {
 	suspect   int64  // the offset of the record that was running when owners died; -1: none
 	suspectID string // the suspect's id, if the last owner that died knew it; "": unknown
 	kills     int    // deaths while the suspect ran
+	inFlight  int    // the most unfinished records the dead owner could have started; 0: unknown
+}
+
+// inFlight is the most records of a partition this consumer can have
+// started and not finished at once, written to the partition's row: the
+// next owner, should this one die, probes that many of the partition's
+// unfinished records. A batch's records are consecutive and the next batch
+// starts when it finished; with key parallelism, a record starts only
+// within the partition's buffer.
+func (c *Consumer) inFlight() int {
+	switch {
+	case c.cfg.KeyParallelism > 1:
+		return c.cfg.MaxBufferedRecords
+	case c.cfg.BatchSize > 1:
+		return c.cfg.BatchSize
+	}
+	return 1
 }
 
 // DefaultCrashLoopLimit is Config.CrashLoopLimit's default.
@@ -134,8 +165,12 @@ func (w *worker) startOwnership() bool {
 	if !w.untilDone(func(ctx context.Context) error {
 		var suspect *int64
 		var suspectID *string
-		err := c.cfg.Pool.QueryRow(ctx, c.owners.start, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner).
-			Scan(&o.deaths, &suspect, &o.kills, &suspectID)
+		var inFlight *int32
+		err := c.cfg.Pool.QueryRow(ctx, c.owners.start, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, c.inFlight()).
+			Scan(&o.deaths, &suspect, &o.kills, &suspectID, &inFlight)
+		if err == nil && inFlight != nil {
+			o.inFlight = int(*inFlight)
+		}
 		if err == nil && suspect != nil {
 			o.suspect = *suspect
 		}
@@ -151,18 +186,24 @@ func (w *worker) startOwnership() bool {
 	}
 	c.crashProbes.Add(1)
 	c.metrics.crashProbes.Add(w.ctx, 1, c.metricAttrs(attrKey{topic: w.tp.topic}))
-	c.cfg.Logger.Warn("oncely partition starts in probe: its previous owner died without letting it go; its records run one at a time until it passes the ones there now",
+	c.cfg.Logger.Warn("oncely partition starts in probe: its previous owner died without letting it go; the records it may have been running run one at a time",
 		"topic", w.tp.topic, "partition", w.tp.partition, "deaths", o.deaths, "suspect_offset", o.suspect,
-		"suspect_kills", o.kills, "crash_loop_limit", c.cfg.CrashLoopLimit)
+		"suspect_kills", o.kills, "crash_loop_limit", c.cfg.CrashLoopLimit, "unfinished_to_probe", o.inFlight)
 	return w.loopProbe(o)
 }
 
 // loopProbe runs the partition's records one at a time, marking each before
-// it runs, until it has passed the high watermark of its first fetch. It
-// reports false when the worker was stopped first.
+// it runs, until it has run as many records that had not finished as the
+// dead owner could have been running (o.inFlight: the one that killed it is
+// among them, since the owner started records in offset order within that
+// bound), or passed the high watermark of its first fetch, whichever comes
+// first (only the latter when the dead owner's bound is unknown). Records
+// that had finished go by as duplicates and do not count. It reports false
+// when the worker was stopped first.
 func (w *worker) loopProbe(o ownership) bool {
 	c := w.r.c
 	until := int64(-1)
+	unfinished := 0
 	for {
 		rec, ok := w.next()
 		if !ok {
@@ -172,11 +213,15 @@ func (w *worker) loopProbe(o ownership) bool {
 			until = w.hwm.Load() // set before the records were pushed
 		}
 		c.metrics.consumed.Add(w.ctx, 1, c.topicAttrs(rec))
-		if !w.probe(rec, o) {
+		ok, fresh := w.probe(rec, o)
+		if !ok {
 			return false
 		}
 		w.markDone(rec)
-		if rec.Offset+1 >= until {
+		if fresh {
+			unfinished++
+		}
+		if rec.Offset+1 >= until || (o.inFlight > 0 && unfinished >= o.inFlight) {
 			// No record runs marked from now on: a later death (idle, or
 			// outside a probe) finds no mark to count against.
 			if !w.markRunning(nil, nil) {
@@ -196,15 +241,16 @@ func (w *worker) loopProbe(o ownership) bool {
 // kills the process on the record must not run again once the record has
 // reached the limit. Any other record is marked (its offset) before its id
 // is worked out, so that a death in KeyFunc counts against it as a death in
-// its handler does; its id is added to the mark once known.
-func (w *worker) probe(rec *kgo.Record, o ownership) bool {
+// its handler does; its id is added to the mark once known. fresh reports whether the record
+// had not finished before (it ran, or was dead-lettered, now).
+func (w *worker) probe(rec *kgo.Record, o ownership) (ok, fresh bool) {
 	c := w.r.c
 	select {
 	case w.r.probeSlot <- struct{}{}:
 	case <-w.stop:
-		return false
+		return false, false
 	case <-w.ctx.Done():
-		return false
+		return false, false
 	}
 	defer func() { <-w.r.probeSlot }()
 	if rec.Offset == o.suspect && o.kills >= c.cfg.CrashLoopLimit {
@@ -212,24 +258,30 @@ func (w *worker) probe(rec *kgo.Record, o ownership) bool {
 		// A death while it is dead-lettered counts against it again, by
 		// the same id.
 		if !w.markRunning(&rec.Offset, &id) {
-			return false
+			return false, false
 		}
-		return w.crashLooped(rec, id, o.kills)
+		return w.crashLooped(rec, id, o.kills), true
 	}
 	if !w.markRunning(&rec.Offset, nil) {
-		return false
+		return false, false
 	}
 	id, idErr := c.messageID(rec) // user code: a death here counts against rec
 	if idErr != nil {
 		id = c.fallbackID(rec) // dead-lettered as undecodable at once, never run
 	}
+	var finished bool
 	if !w.untilDone(func(ctx context.Context) error {
-		_, err := c.cfg.Pool.Exec(ctx, c.owners.markID, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, rec.Offset, id)
+		err := c.cfg.Pool.QueryRow(ctx, c.owners.markID, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, rec.Offset, id).Scan(&finished)
+		if errors.Is(err, pgx.ErrNoRows) {
+			// The row is another owner's now: this worker is a zombie,
+			// whose record goes no further than the inbox lets it.
+			finished, err = false, nil
+		}
 		return err
 	}) {
-		return false
+		return false, false
 	}
-	return w.process(rec)
+	return w.process(rec), !finished
 }
 
 // markRunning writes offset, and id when not nil, to the partition's row as

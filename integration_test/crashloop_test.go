@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -737,4 +738,70 @@ func TestCleanExitRetriesForgettingItsPartitions(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.assertExactlyOnce(t, 2)
+}
+
+// A probe runs as many of the partition's unfinished records as its dead
+// owner could have been running (partition_owners.in_flight: 1, BatchSize,
+// or the buffer with key parallelism), not every record up to the
+// partition's end: after a crash under load that was thousands of records
+// one at a time. Records that had finished (in the inbox) go by without
+// counting. A row of an owner that died before the column existed (NULL)
+// is probed up to the end, as before.
+func TestProbeRunsWhatTheDeadOwnerCouldHaveRun(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		inFlight any // the dead owner's partition_owners.in_flight
+		finished int // records 0..finished-1 were processed before it died
+		doneAt   int // the offset the probe ends at
+	}{
+		{"three in flight after five finished", 3, 5, 7},
+		{"one in flight", 1, 0, 0},
+		{"unknown", nil, 2, 19},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, 1)
+			e.createDLQTopic(t)
+			var msgs []msg
+			for i := range 20 {
+				msgs = append(msgs, msg{id: fmt.Sprint("r-", i), partition: 0, key: fmt.Sprint("k-", i%4)})
+			}
+			e.produce(t, msgs)
+			ctx := context.Background()
+			for i := range tc.finished {
+				if _, err := e.db.Pool.Exec(ctx, `INSERT INTO inbox (consumer_group, message_id) VALUES ($1, $2)`, e.group, fmt.Sprint("r-", i)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := e.db.Pool.Exec(ctx, `INSERT INTO partition_owners (consumer_group, topic, partition, owner, in_flight) VALUES ($1, $2, 0, 'dead', $3)`,
+				e.group, e.topic, tc.inFlight); err != nil {
+				t.Fatal(err)
+			}
+			logs := &lockedBuffer{}
+			cfg := e.config("prober", recordEffect("prober"))
+			cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+			m := e.start(ctx, cfg)
+			eventually(t, time.Minute, "every unfinished record to be processed", func() bool {
+				return e.count(t, `SELECT count(*) FROM effects`) == int64(20-tc.finished) && e.committedLag(t) == 0
+			})
+			if err := m.stop(t); err != nil {
+				t.Fatal(err)
+			}
+			if s := m.c.Stats(); s.CrashProbes != 1 {
+				t.Errorf("%d probes, want 1", s.CrashProbes)
+			}
+			want := fmt.Sprintf(`msg="oncely partition probe done" topic=%s partition=0 offset=%d`, e.topic, tc.doneAt)
+			if !strings.Contains(logs.String(), want) {
+				t.Errorf("the probe did not end at offset %d; want %q in the log:\n%s", tc.doneAt, want, logs)
+			}
+			for i := range tc.finished {
+				if n := e.count(t, `SELECT count(*) FROM effects WHERE message_id = $1`, fmt.Sprint("r-", i)); n != 0 {
+					t.Errorf("r-%d, finished before the probe, ran again", i)
+				}
+			}
+			if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+				t.Errorf("%d partitions still marked as owned after a clean shutdown: %s", n, e.ownerRows(t))
+			}
+		})
+	}
 }
