@@ -202,8 +202,11 @@ type Config struct {
 	// every owner of its partition, blocking the partition for good.
 	//
 	// A partition whose previous owner died (it did not let the partition
-	// go through a revoke or a shutdown) starts in probe: the records it
-	// holds then run one at a time, each in its own transaction (no batch,
+	// go through a revoke or a shutdown) starts in probe: the records the
+	// dead owner could have been running (as many unfinished records as it
+	// could have had started at once: 1, its BatchSize, or its
+	// MaxBufferedRecords with key parallelism; partition_owners.in_flight,
+	// migration 0008) then run one at a time, each in its own transaction (no batch,
 	// no key parallelism), one at a time across the member's probing
 	// partitions, and each is marked in the partition_owners table
 	// (migration 0006) before its KeyFunc and handler run. When the process

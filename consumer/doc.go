@@ -70,8 +70,12 @@
 // records) and deleted when the partition leaves the member cleanly (a
 // revoke, a shutdown, after the final offset commit). A member that finds
 // the row already there knows that the previous owner died, and runs the
-// partition in probe until it has passed the records there when it
-// started: one record at a time, each in its own transaction, whatever
+// partition in probe through the records the dead owner could have been
+// running (as many of the partition's unfinished records as it could have
+// had started at once: 1, its BatchSize, or its MaxBufferedRecords with key
+// parallelism, written to its row as in_flight, migration 0008; records the
+// inbox holds as finished go by without counting; a row without it probes
+// up to the records there when the probe started): one record at a time, each in its own transaction, whatever
 // the mode, and one at a time across all of the member's probing
 // partitions, each record's offset written to the row before its KeyFunc
 // and handler run (its id too, once KeyFunc has returned it). When the
@@ -94,9 +98,10 @@
 // runs, which blames that record once (it is dead-lettered only after
 // CrashLoopLimit such deaths on it). Ordinary processing pays
 // nothing for this: a statement when a partition is assigned and one when
-// it is revoked. A probe does pay: after a crash, the backlog a partition
-// held runs one record at a time, with a mark per record (two statements)
-// and one more when the probe ends.
+// it is revoked. A probe does pay: after a crash, up to a batch of the
+// partition's records (a buffer with key parallelism) runs one record at a
+// time, with a mark per record (two statements) and one more when the probe
+// ends.
 //
 // # Batches and key parallelism
 //
