@@ -61,7 +61,7 @@ import (
 
 // ownerQueries are the statements on the partition_owners table, built once.
 type ownerQueries struct {
-	table, start, mark, markID, forget string
+	table, start, mark, markID, markWithID, forget string
 }
 
 func newOwnerQueries(schema string) *ownerQueries {
@@ -112,6 +112,11 @@ func newOwnerQueries(schema string) *ownerQueries {
 		// not run again): a probe counts only the records that had not.
 		markID: `UPDATE ` + t + ` SET running_id = $6
 			WHERE ` + key + ` AND owner = $4 AND running_offset = $5
+			RETURNING ` + finished("$1", "$6"),
+		// markWithID marks a record and its id at once, where working out
+		// the id runs no user code.
+		markWithID: `UPDATE ` + t + ` SET running_offset = $5, running_id = $6
+			WHERE ` + key + ` AND owner = $4
 			RETURNING ` + finished("$1", "$6"),
 		forget: `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND owner = ANY($2)`,
 	}
@@ -262,16 +267,23 @@ func (w *worker) probe(rec *kgo.Record, o ownership) (ok, fresh bool) {
 		}
 		return w.crashLooped(rec, id, o.kills), true
 	}
-	if !w.markRunning(&rec.Offset, nil) {
-		return false, false
+	// With a KeyFunc, working out the id is user code, which may be what
+	// kills the process: the record is marked first, its id added after.
+	// Without one, the id comes from a header, and one statement marks both.
+	mark := c.owners.markWithID
+	if c.cfg.KeyFunc != nil {
+		if !w.markRunning(&rec.Offset, nil) {
+			return false, false
+		}
+		mark = c.owners.markID
 	}
-	id, idErr := c.messageID(rec) // user code: a death here counts against rec
+	id, idErr := c.messageID(rec)
 	if idErr != nil {
 		id = c.fallbackID(rec) // dead-lettered as undecodable at once, never run
 	}
 	var finished bool
 	if !w.untilDone(func(ctx context.Context) error {
-		err := c.cfg.Pool.QueryRow(ctx, c.owners.markID, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, rec.Offset, id).Scan(&finished)
+		err := c.cfg.Pool.QueryRow(ctx, mark, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, rec.Offset, id).Scan(&finished)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// The row is another owner's now: this worker is a zombie,
 			// whose record goes no further than the inbox lets it.
@@ -281,7 +293,16 @@ func (w *worker) probe(rec *kgo.Record, o ownership) (ok, fresh bool) {
 	}) {
 		return false, false
 	}
-	return w.process(rec), !finished
+	if finished {
+		// Processed, or dead-lettered and not redriven, before the owner
+		// died: not what killed it, and its claim would only find it in
+		// the inbox. The records a dead owner finished past its last
+		// offset commit are most of what a probe meets.
+		c.duplicates.Add(1)
+		c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
+		return kafkaSource{w}.Settle(w.ctx, rec, false), false
+	}
+	return w.process(rec), true
 }
 
 // markRunning writes offset, and id when not nil, to the partition's row as

@@ -787,8 +787,8 @@ func TestProbeRunsWhatTheDeadOwnerCouldHaveRun(t *testing.T) {
 			if err := m.stop(t); err != nil {
 				t.Fatal(err)
 			}
-			if s := m.c.Stats(); s.CrashProbes != 1 {
-				t.Errorf("%d probes, want 1", s.CrashProbes)
+			if s := m.c.Stats(); s.CrashProbes != 1 || s.Duplicates != int64(tc.finished) || s.Processed != int64(20-tc.finished) {
+				t.Errorf("%d probes, %d duplicates, %d processed; want 1, %d, %d", s.CrashProbes, s.Duplicates, s.Processed, tc.finished, 20-tc.finished)
 			}
 			want := fmt.Sprintf(`msg="oncely partition probe done" topic=%s partition=0 offset=%d`, e.topic, tc.doneAt)
 			if !strings.Contains(logs.String(), want) {
