@@ -293,16 +293,11 @@ func (w *worker) probe(rec *kgo.Record, o ownership) (ok, fresh bool) {
 	}) {
 		return false, false
 	}
-	if finished {
-		// Processed, or dead-lettered and not redriven, before the owner
-		// died: not what killed it, and its claim would only find it in
-		// the inbox. The records a dead owner finished past its last
-		// offset commit are most of what a probe meets.
-		c.duplicates.Add(1)
-		c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
-		return kafkaSource{w}.Settle(w.ctx, rec, false), false
-	}
-	return w.process(rec), true
+	// A finished record (processed, or dead-lettered and not redriven,
+	// before the owner died) is not what killed it; it runs as any
+	// duplicate does (its claim finds it, with its span and metrics), and
+	// does not count.
+	return w.process(rec), !finished
 }
 
 // markRunning writes offset, and id when not nil, to the partition's row as
