@@ -81,6 +81,8 @@ func newOwnerQueries(schema string) *ownerQueries {
 	}
 	died := `p.running_offset IS NOT NULL AND (p.running_id IS NULL OR NOT ` + finished("p.consumer_group", "p.running_id") + `)`
 	key := `consumer_group = $1 AND topic = $2 AND partition = $3`
+	mark := `UPDATE ` + t + ` SET running_offset = $5, running_id = $6
+			WHERE ` + key + ` AND owner = $4`
 	return &ownerQueries{
 		table: t,
 		// A row already there: its owner died. The death counts against
@@ -106,8 +108,7 @@ func newOwnerQueries(schema string) *ownerQueries {
 			RETURNING p.deaths, p.suspect_offset, p.suspect_kills,
 				(SELECT prev.running_id FROM prev WHERE prev.running_offset = p.suspect_offset),
 				(SELECT prev.in_flight FROM prev)`,
-		mark: `UPDATE ` + t + ` SET running_offset = $5, running_id = $6
-			WHERE ` + key + ` AND owner = $4`,
+		mark: mark,
 		// markID also says whether the record finished before (it will
 		// not run again): a probe counts only the records that had not.
 		markID: `UPDATE ` + t + ` SET running_id = $6
@@ -115,10 +116,8 @@ func newOwnerQueries(schema string) *ownerQueries {
 			RETURNING ` + finished("$1", "$6"),
 		// markWithID marks a record and its id at once, where working out
 		// the id runs no user code.
-		markWithID: `UPDATE ` + t + ` SET running_offset = $5, running_id = $6
-			WHERE ` + key + ` AND owner = $4
-			RETURNING ` + finished("$1", "$6"),
-		forget: `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND owner = ANY($2)`,
+		markWithID: mark + ` RETURNING ` + finished("$1", "$6"),
+		forget:     `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND owner = ANY($2)`,
 	}
 }
 
@@ -244,10 +243,11 @@ func (w *worker) loopProbe(o ownership) bool {
 //
 // The suspect check comes first and calls no user code: a KeyFunc that
 // kills the process on the record must not run again once the record has
-// reached the limit. Any other record is marked (its offset) before its id
-// is worked out, so that a death in KeyFunc counts against it as a death in
-// its handler does; its id is added to the mark once known. fresh reports whether the record
-// had not finished before (it ran, or was dead-lettered, now).
+// reached the limit. Any other record is marked with its id before it runs;
+// with a KeyFunc, its offset first and its id once known, so that a death
+// in KeyFunc counts against it as a death in its handler does. fresh
+// reports whether the record had not finished before (it ran, or was
+// dead-lettered, now).
 func (w *worker) probe(rec *kgo.Record, o ownership) (ok, fresh bool) {
 	c := w.r.c
 	select {
