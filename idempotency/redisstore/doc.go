@@ -17,41 +17,46 @@
 //
 // # How it works
 //
-// A key (scope, key) is two Redis keys that share one hash tag, so they live
-// in one Redis Cluster slot and every script below touches one slot only:
+// A key (scope, key) is one Redis key, whose value is either the lock of
+// the request that holds it or, once that request is done, its response:
 //
-//	<Prefix>{<sha256(scope, key)>}        hash: token, holder, and once recorded resp (fingerprint, status, headers, body)
-//	<Prefix>{<sha256(scope, key)>}:lock   string, with PX Config.LockTTL: the key is in progress
+//	<Prefix>{<sha256(scope, key)>}   "L" + token    PX Config.LockTTL: in progress
+//	                                 "R" + resp     PX the TTL: the response (fingerprint, status, headers, body)
 //
-// A retry of a recorded key is one plain read: HGET resp, then replay (same
-// fingerprint) or 422. A recorded response never changes until it expires,
-// so the read needs no script. Every other step is one Lua script, atomic in
-// Redis:
+// The hash tag ({...}) makes the key's Cluster slot depend on the scope and
+// the key only, never on braces a client put in them. Every step touches
+// that one key, so every step is atomic in Redis:
 //
-//	claim   recorded response?        -> replay (same fingerprint) or 422
-//	        SET lock NX PX LockTTL fails? -> 409 with Retry-After
-//	        token = HINCRBY token 1; holder = token:nonce
-//	handler runs; every Config.Heartbeat:
-//	extend  holder still ours?        -> SET lock holder PX LockTTL   (else: the handler's context is cancelled)
-//	record  holder still ours and nothing recorded?
-//	                                  -> HSET resp (expiring TTL after the claim, at least LockTTL); DEL lock
+//	claim   SET key "L"+token NX PX LockTTL GET      (one plain command)
+//	        the key was free  -> taken: the handler runs
+//	        it held "R"+resp  -> replay (same fingerprint) or 422
+//	        it held "L"+...   -> 409 with Retry-After
+//	handler runs; every Config.Heartbeat (script):
+//	extend  key still our lock (or empty)? -> SET key our lock PX LockTTL
+//	                                       (else: the handler's context is cancelled)
+//	record  key still our lock (or empty)? (script)
+//	                                  -> SET key "R"+resp PX (the TTL counted from the claim, at least LockTTL)
 //	        else                      -> nothing stored; the client gets 409 and its retry the newer response
 //	release (5xx, a status StoreStatus refuses, a panic, a failed record)
-//	        holder still ours and nothing recorded? -> DEL lock
+//	        key still our lock? -> DEL key (script)
 //
-// The holder is a fencing token: its counter grows with every claim of the
-// key (the random nonce keeps it unique should the record hash expire and
-// the counter restart), and only the latest claim may extend the lock or
-// record a response. A request whose lock lapsed, because its handler ran
-// past LockTTL while its heartbeat could not reach Redis, therefore cannot
-// store its response over that of a newer request that took the key: the
-// newer response stays, every retry gets it, and the stale request's client
-// gets 409 and then, on retry, that same response.
+// The token is a fencing token: 128 random bits drawn for each claim, so
+// two claims never share one, and only the claim whose lock the key holds
+// may extend it, record a response or release it. A request whose lock
+// lapsed, because its handler ran past LockTTL while its heartbeat could not
+// reach Redis, therefore cannot store its response over that of a newer
+// request that took the key: the newer response (or lock) stays, every
+// retry gets it, and the stale request's client gets 409 and then, on retry,
+// that same response. If the lock lapsed and no request took the key, the
+// key is empty and the request keeps its right to it: its next heartbeat
+// takes the key again, and its record stores its response. (A newer request
+// that took the key and then released it, its handler having failed,
+// leaves it empty too; the stale request's response is then the one kept.)
 //
 // Redis errors are answered 503 with Retry-After ("it is safe to retry"),
 // both at the claim (nothing ran) and at the record (the handler ran; see
 // below). No key is stranded: a lock always has an expiry, a failed record
-// releases it if the claim is still the latest, and if Redis cannot be
+// releases it if the key still holds its lock, and if Redis cannot be
 // reached at all the lock lapses LockTTL after the last heartbeat.
 //
 // # What is guaranteed, and the windows that remain
@@ -61,7 +66,7 @@
 // commits in the same transaction as the handler's writes):
 //
 //   - Concurrent requests with one key never run the handler concurrently
-//     while their lock holds: the claim is one atomic script (25 identical
+//     while their lock holds: the claim is one atomic command (25 identical
 //     requests at once give one run; the others 409, then replays).
 //   - Retries after a recorded response get it byte for byte; a different
 //     request gets 422; a stale request never overwrites a newer response.
@@ -104,11 +109,13 @@
 //
 // # Costs
 //
-// A first request costs three round trips (a read that finds no response,
-// the claim, the record) plus one heartbeat per Config.Heartbeat while the
-// handler runs; a replay costs one plain read (HGET). Scripts
-// are sent by SHA (EVALSHA) after their first use. Responses are kept in
-// Redis memory for idempotency.Config.TTL (default 24 h): size Redis for
-// the request rate times the TTL times the response size. Redis expires the
+// A first request costs two round trips (the claim, a plain SET; the
+// record, a short script) plus one heartbeat per Config.Heartbeat while the
+// handler runs; a replay costs one (the claim's SET, which takes nothing
+// and returns the response). Scripts are sent by SHA (EVALSHA) after their
+// first use. The claim needs Redis 7.0 or later (SET with both NX and GET).
+// Responses are kept in Redis memory for idempotency.Config.TTL (default
+// 24 h): size Redis for the request rate times the TTL times the response
+// size. Redis expires the
 // keys itself; idempotency.Middleware.DeleteExpired and Run do nothing.
 package redisstore

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -76,19 +77,10 @@ func New(rdb redis.UniversalClient, cfg Config) (*Store, error) {
 	return &Store{rdb: rdb, cfg: cfg, lockMS: cfg.LockTTL.Milliseconds(), heartbeat: cfg.Heartbeat}, nil
 }
 
-// Keys returns the two Redis keys of (scope, key): the record (a hash with
-// the fencing token, the holder and, once recorded, the response) and the
-// lock. Both carry the same hash tag, so they share a Cluster slot.
-func (s *Store) Keys(scope, key string) (record, lock string) {
-	record = s.record(scope, key)
-	return record, record + lockSuffix
-}
-
-const lockSuffix = ":lock"
-
-// record returns the record's key: Prefix, then the hash tag, the hex
-// SHA-256 of the scope's length, the scope and the key.
-func (s *Store) record(scope, key string) string {
+// Key returns the Redis key of (scope, key): Prefix, then a hash tag of
+// the hex SHA-256 of the scope's length, the scope and the key. The one key
+// holds the claim's lock while the request runs, then its response.
+func (s *Store) Key(scope, key string) string {
 	var buf [256]byte // short scopes and keys are hashed from the stack
 	b := binary.AppendUvarint(buf[:0], uint64(len(scope)))
 	b = append(append(b, scope...), key...)
@@ -104,107 +96,94 @@ func (s *Store) record(scope, key string) string {
 	return k.String()
 }
 
-// The scripts. KEYS[1] is the record hash, KEYS[2] the lock. The record's
-// fields: token (the fencing counter, incremented by every claim), holder
-// (the token and nonce of the latest claim), and once recorded resp (the
-// response: encodeResponse). The record expires TTL after the claim (the
-// record script keeps that expiry), or LockTTL after the last heartbeat if
-// the handler outlives the TTL.
+// A key's value is one of two, told apart by its first byte:
+//
+//	L<token>  the lock of the claim with this fencing token, PX LockTTL
+//	R<resp>   the recorded response (encodeResponse), PX the TTL
+const (
+	tagLock     = 'L'
+	tagRecorded = 'R'
+)
+
+// The scripts: each reads the key and writes it only while it still holds
+// the caller's lock (ARGV[1], "L" and the token) or nothing at all, the
+// lock having lapsed with no newer claim in its place. A newer claim's lock
+// or a recorded response is never touched: that is the fencing.
 var (
-	// claim: ARGV lock ms, ttl ms, nonce. Returns {2, resp} (stored), {1}
-	// (busy) or {3, holder} (claimed). The lock is taken with SET NX
-	// before the token is drawn, so a busy key costs no token.
-	claimScript = redis.NewScript(`
-local r = redis.call('HGET', KEYS[1], 'resp')
-if r then return {2, r} end
-if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[1]) then return {1} end
-local holder = redis.call('HINCRBY', KEYS[1], 'token', 1) .. ':' .. ARGV[3]
-redis.call('HSET', KEYS[1], 'holder', holder)
-redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[1])))
-return {3, holder}
-`)
-	// extend: ARGV holder, lock ms. Re-arms the lock while the holder is
-	// still the latest claim and has recorded nothing (the lock is then
-	// ours or lapsed, never another's: every claim sets the holder), and
-	// keeps the record alive at least as long.
+	// extend: ARGV lock, lock ms. Re-arms the lock (or takes the key again
+	// if the lock lapsed and nothing took its place).
 	extendScript = redis.NewScript(`
-local h = redis.call('HMGET', KEYS[1], 'holder', 'resp')
-if h[1] ~= ARGV[1] or h[2] then return 0 end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+local v = redis.call('GET', KEYS[1])
+if v and v ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 `)
-	// record: ARGV holder, resp. Stores the response only for the latest
-	// claim (the fencing check), keeping the expiry the claim set, and
-	// frees the lock (ours or lapsed, as above).
+	// record: ARGV lock, "R" and the response, ms to keep it. Replaces the
+	// lock by the response.
 	recordScript = redis.NewScript(`
-local h = redis.call('HMGET', KEYS[1], 'holder', 'resp')
-if h[1] ~= ARGV[1] or h[2] then return 0 end
-redis.call('HSET', KEYS[1], 'resp', ARGV[2])
-redis.call('DEL', KEYS[2])
+local v = redis.call('GET', KEYS[1])
+if v and v ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
 `)
-	// release: ARGV holder. Frees the lock of an unrecorded claim that is
-	// still the latest one.
+	// release: ARGV lock. Frees the key if it still holds the lock.
 	releaseScript = redis.NewScript(`
-local h = redis.call('HMGET', KEYS[1], 'holder', 'resp')
-if h[1] ~= ARGV[1] or h[2] then return 0 end
-redis.call('DEL', KEYS[2])
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 `)
 )
 
-// Claim implements idempotency.Store. A recorded response never changes
-// until it expires (the record script stores one only where none is), so a
-// plain read answers a replay: one HGET, no script (a script call costs
-// Redis several times a read's work). Only a key without a response runs
-// the claim script, which checks again, atomically: the response if one was
-// recorded meanwhile, else busy if the lock is held, else a new fencing
-// token and the lock.
+// Claim implements idempotency.Store with one plain command, atomic in
+// Redis: SET key L<token> NX PX LockTTL GET. It takes a free key (the reply
+// is nil) and returns whatever the key held otherwise, in the same step: a
+// recorded response (replay, or 422) or another claim's lock (busy). A
+// first request and a replay therefore cost one round trip each to claim.
 func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl time.Duration) (idempotency.Claim, error) {
-	record := s.record(scope, key)
-	switch resp, err := s.rdb.HGet(ctx, record, "resp").Result(); {
-	case err == nil:
-		return s.stored(record, resp)
-	case !errors.Is(err, redis.Nil):
-		return idempotency.Claim{}, fmt.Errorf("redisstore: read: %w", err)
-	}
-	nonce := strconv.FormatUint(rand.Uint64(), 36) // unique, not secret
-	keys := []string{record, record + lockSuffix}
-	res, err := claimScript.Run(ctx, s.rdb, keys, s.lockMS, ttl.Milliseconds(), nonce).Slice()
-	if err != nil {
-		return idempotency.Claim{}, fmt.Errorf("redisstore: claim: %w", err)
-	}
-	state, _ := res[0].(int64)
+	k := s.Key(scope, key)
+	lock := newLock()
+	old, err := s.rdb.SetArgs(ctx, k, lock, redis.SetArgs{Mode: "NX", TTL: s.cfg.LockTTL, Get: true}).Result()
 	switch {
-	case state == 1:
+	case errors.Is(err, redis.Nil):
+		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, key: k, lock: lock, ttl: ttl, claimed: time.Now()}}, nil
+	case err != nil:
+		if strings.Contains(err.Error(), "syntax error") {
+			err = fmt.Errorf("%w (SET with both NX and GET needs Redis 7.0 or later)", err)
+		}
+		return idempotency.Claim{}, fmt.Errorf("redisstore: claim: %w", err)
+	case old != "" && old[0] == tagRecorded:
+		stored, err := decodeResponse(old[1:])
+		if err != nil {
+			return idempotency.Claim{}, fmt.Errorf("redisstore: corrupt record %s: %w", k, err)
+		}
+		return idempotency.Claim{State: idempotency.ClaimStored, Stored: stored}, nil
+	case old != "" && old[0] == tagLock:
 		return idempotency.Claim{State: idempotency.ClaimBusy}, nil
-	case state == 2 && len(res) == 2:
-		resp, _ := res[1].(string)
-		return s.stored(record, resp)
-	case state == 3 && len(res) == 2:
-		holder, _ := res[1].(string)
-		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, keys: keys, holder: holder}}, nil
 	}
-	return idempotency.Claim{}, fmt.Errorf("redisstore: claim: unexpected reply %v", res)
+	return idempotency.Claim{}, fmt.Errorf("redisstore: corrupt record %s: neither a lock nor a response", k)
 }
 
-// stored returns the claim of the recorded response resp.
-func (s *Store) stored(record, resp string) (idempotency.Claim, error) {
-	stored, err := decodeResponse(resp)
-	if err != nil {
-		return idempotency.Claim{}, fmt.Errorf("redisstore: corrupt record %s: %w", record, err)
-	}
-	return idempotency.Claim{State: idempotency.ClaimStored, Stored: stored}, nil
+// newLock returns a fresh lock value: the tag and a random 128-bit fencing
+// token, unique to this claim (unguessable is not needed, unique is).
+func newLock() string {
+	var b [1 + 2*16]byte
+	b[0] = tagLock
+	var r [16]byte
+	binary.LittleEndian.PutUint64(r[:8], rand.Uint64())
+	binary.LittleEndian.PutUint64(r[8:], rand.Uint64())
+	hex.Encode(b[1:], r[:])
+	return string(b[:])
 }
 
-// lease is a claimed key: its holder token, and the heartbeat that keeps
-// its lock alive while the handler runs. The heartbeat is a timer that
-// re-arms itself, so a request shorter than Heartbeat costs no goroutine.
+// lease is a claimed key: its lock value (with the fencing token), and the
+// heartbeat that keeps the lock alive while the handler runs. The heartbeat
+// is a timer that re-arms itself, so a request shorter than Heartbeat costs
+// no goroutine.
 type lease struct {
 	s        *Store
-	keys     []string
-	holder   string
+	key      string
+	lock     string
+	ttl      time.Duration // the response's, counted from claimed
+	claimed  time.Time
 	finished bool // recorded, or refused by the fencing check: nothing to release
 
 	mu      sync.Mutex
@@ -239,16 +218,16 @@ func (l *lease) beat() {
 
 	ctx := context.WithoutCancel(l.ctx)
 	cctx, cancel := context.WithTimeout(ctx, l.s.heartbeat)
-	ok, err := extendScript.Run(cctx, l.s.rdb, l.keys, l.holder, l.s.lockMS).Int()
+	ok, err := extendScript.Run(cctx, l.s.rdb, []string{l.key}, l.lock, l.s.lockMS).Int()
 	cancel()
 	switch {
 	case err != nil:
 		// Redis unreachable: keep trying; the lock lapses after
 		// LockTTL, and the fencing token then refuses our store if a
 		// newer request has claimed the key meanwhile.
-		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: heartbeat failed", "key", l.keys[0], "err", err)
+		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: heartbeat failed", "key", l.key, "err", err)
 	case ok == 0:
-		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: claim lost while the handler runs", "key", l.keys[0])
+		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: claim lost while the handler runs", "key", l.key)
 		l.cancel(idempotency.ErrLeaseLost)
 		return
 	}
@@ -277,9 +256,12 @@ func (l *lease) halt() {
 
 func (l *lease) Failed() bool { return false }
 
+// Record replaces the lock by the response, kept until ttl after the claim
+// (at least LockTTL from now), unless a newer claim took the key.
 func (l *lease) Record(ctx context.Context, r idempotency.StoredResponse) error {
 	l.halt()
-	ok, err := recordScript.Run(ctx, l.s.rdb, l.keys, l.holder, encodeResponse(r)).Int()
+	keep := max(l.ttl-time.Since(l.claimed), l.s.cfg.LockTTL)
+	ok, err := recordScript.Run(ctx, l.s.rdb, []string{l.key}, l.lock, encodeRecord(r), keep.Milliseconds()).Int()
 	switch {
 	case err != nil:
 		return fmt.Errorf("redisstore: record: %w", err)
@@ -291,8 +273,8 @@ func (l *lease) Record(ctx context.Context, r idempotency.StoredResponse) error 
 	return nil
 }
 
-// Release frees the lock if the claim is still the latest and unrecorded.
-// If Redis cannot be reached the lock lapses after LockTTL.
+// Release frees the key if it still holds this claim's lock. If Redis
+// cannot be reached the lock lapses after LockTTL.
 func (l *lease) Release(ctx context.Context) {
 	l.halt()
 	if l.finished {
@@ -300,23 +282,30 @@ func (l *lease) Release(ctx context.Context) {
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	if err := releaseScript.Run(ctx, l.s.rdb, l.keys, l.holder).Err(); err != nil {
-		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: release failed; the lock lapses after LockTTL", "key", l.keys[0], "err", err)
+	if err := releaseScript.Run(ctx, l.s.rdb, []string{l.key}, l.lock).Err(); err != nil {
+		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: release failed; the lock lapses after LockTTL", "key", l.key, "err", err)
 	}
 }
 
-// encodeResponse packs a response as one value, so that a replay is one
-// read of one field: its fingerprint, status, headers' names and values, and
-// body, each a uvarint length and its bytes (any byte of a value survives).
+// encodeRecord is the value of a recorded response: its tag, then
+// encodeResponse's bytes.
+func encodeRecord(r idempotency.StoredResponse) []byte {
+	return encodeResponse([]byte{tagRecorded}, r)
+}
+
+// encodeResponse appends to b a response packed as one value, so that a
+// replay is one read of one key: its status, fingerprint, body, and
+// headers' names and values, each a uvarint length and its bytes (any byte
+// of a value survives).
 // The status comes first, so that decodeResponse refuses a record of
 // another layout early.
-func encodeResponse(r idempotency.StoredResponse) []byte {
+func encodeResponse(b []byte, r idempotency.StoredResponse) []byte {
 	status := strconv.Itoa(r.Status)
 	n := fieldLen(len(status)) + fieldLen(len(r.Fingerprint)) + fieldLen(len(r.Body))
 	for i := range r.Names {
 		n += fieldLen(len(r.Names[i])) + fieldLen(len(r.Values[i]))
 	}
-	b := make([]byte, 0, n)
+	b = slices.Grow(b, n)
 	b = appendField(b, status)
 	b = appendField(b, string(r.Fingerprint))
 	b = appendField(b, string(r.Body))

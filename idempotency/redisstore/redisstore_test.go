@@ -277,7 +277,7 @@ func TestRedisGoneMidRequest(t *testing.T) {
 }
 
 // TestFencingToken drives the Store directly: a claim whose lock lapsed
-// (no heartbeat) is succeeded by a newer claim with a greater token; the
+// (no heartbeat) is succeeded by a newer claim with another token; the
 // stale lease's Record is refused with ErrLeaseLost, its Release frees
 // nothing of the newer claim, and the newer one's response is stored.
 func TestFencingToken(t *testing.T) {
@@ -293,31 +293,24 @@ func TestFencingToken(t *testing.T) {
 	if c, err := s.Claim(ctx, "c", "k", fp, time.Hour); err != nil || c.State != idempotency.ClaimBusy {
 		t.Fatalf("claim while held: %+v, %v; want busy", c, err)
 	}
-	record, lock := s.Keys("c", "k")
-	holder := func() string { return rdb.HGet(ctx, record, "holder").Val() }
-	oldTok := holder()
-	waitGone(t, rdb, lock)
+	key := s.Key("c", "k")
+	oldLock := rdb.Get(ctx, key).Val()
+	waitGone(t, rdb, key)
 	cur, err := s.Claim(ctx, "c", "k", fp, time.Hour)
 	if err != nil || cur.State != idempotency.ClaimTaken {
 		t.Fatalf("claim after the lock lapsed: %+v, %v", cur, err)
 	}
-	tok := func(l string) int {
-		var n int
-		_, _ = fmt.Sscanf(l, "%d:", &n)
-		return n
-	}
-	curTok := holder()
-	if tok(oldTok) != 1 || tok(curTok) != 2 {
-		t.Errorf("fencing tokens %q then %q, want 1 then 2", oldTok, curTok)
+	curLock := rdb.Get(ctx, key).Val()
+	if len(oldLock) != 33 || oldLock[0] != 'L' || len(curLock) != 33 || curLock[0] != 'L' || oldLock == curLock {
+		t.Fatalf("locks %q then %q, want two different L<token> values", oldLock, curLock)
 	}
 	want := idempotency.StoredResponse{Fingerprint: fp, Status: 201, Names: []string{"Content-Type"}, Values: []string{"a\x80b"}, Body: []byte{0, 1, 2}}
 	if err := old.Lease.Record(ctx, idempotency.StoredResponse{Fingerprint: fp, Status: 200, Body: []byte("stale")}); !errors.Is(err, idempotency.ErrLeaseLost) {
 		t.Fatalf("stale Record = %v, want ErrLeaseLost", err)
 	}
-	curLock := rdb.Get(ctx, lock).Val()
 	old.Lease.Release(ctx)
-	if got := rdb.Get(ctx, lock).Val(); got == "" || got != curLock || holder() != curTok {
-		t.Fatalf("after the stale lease's Release the lock is %q (holder %q), want the current claim's %q (%q)", got, holder(), curLock, curTok)
+	if got := rdb.Get(ctx, key).Val(); got != curLock {
+		t.Fatalf("after the stale lease's Record and Release the key holds %q, want the current claim's lock %q", got, curLock)
 	}
 	if err := cur.Lease.Record(ctx, want); err != nil {
 		t.Fatalf("current Record: %v", err)
@@ -330,8 +323,47 @@ func TestFencingToken(t *testing.T) {
 	if fmt.Sprint(got.Stored) != fmt.Sprint(want) {
 		t.Fatalf("stored %+v, want %+v", got.Stored, want)
 	}
-	if n := rdb.Exists(ctx, lock).Val(); n != 0 {
-		t.Errorf("lock still exists after the record")
+	// A stale lease whose key now holds a response changes nothing either.
+	if err := old.Lease.Record(ctx, idempotency.StoredResponse{Fingerprint: fp, Status: 200, Body: []byte("stale")}); !errors.Is(err, idempotency.ErrLeaseLost) {
+		t.Fatalf("stale Record over a response = %v, want ErrLeaseLost", err)
+	}
+	if v, err := redisstore.DecodeRecord(rdb.Get(ctx, key).Val()); err != nil || fmt.Sprint(v) != fmt.Sprint(want) {
+		t.Fatalf("after a stale Record over the response the key holds %+v, %v; want %+v", v, err, want)
+	}
+}
+
+// TestLapsedLockWithoutRivalStillRecords: a claim whose lock lapsed while
+// no other request took the key keeps its right to the key: its heartbeat
+// takes the key again and its response is stored.
+func TestLapsedLockWithoutRivalStillRecords(t *testing.T) {
+	t.Parallel()
+	rdb := client(t, redisAddr)
+	s := newStore(t, rdb, redisstore.Config{Prefix: prefix(t), LockTTL: 150 * time.Millisecond, Heartbeat: 50 * time.Millisecond})
+	ctx := context.Background()
+	fp := []byte("fp")
+	c, err := s.Claim(ctx, "c", "k", fp, time.Hour)
+	if err != nil || c.State != idempotency.ClaimTaken {
+		t.Fatalf("claim: %+v, %v", c, err)
+	}
+	key := s.Key("c", "k")
+	waitGone(t, rdb, key) // no heartbeat yet: Context not called
+	hctx := c.Lease.Context(ctx)
+	deadline := time.Now().Add(10 * time.Second)
+	for rdb.Exists(ctx, key).Val() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the heartbeat never took the lapsed key again")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if hctx.Err() != nil {
+		t.Fatalf("handler context cancelled (%v) though no rival took the key", context.Cause(hctx))
+	}
+	resp := idempotency.StoredResponse{Fingerprint: fp, Status: 201, Body: []byte("ok")}
+	if err := c.Lease.Record(ctx, resp); err != nil {
+		t.Fatalf("Record after the lapse: %v", err)
+	}
+	if v, err := redisstore.DecodeRecord(rdb.Get(ctx, key).Val()); err != nil || string(v.Body) != "ok" {
+		t.Fatalf("recorded %+v, %v", v, err)
 	}
 }
 
@@ -378,19 +410,20 @@ func TestHeartbeatHoldsTheKey(t *testing.T) {
 	}
 }
 
-// TestKeysShareASlot: a key's record and lock carry one hash tag, so Redis
-// Cluster puts them in one slot; the tag depends on scope and key both.
-func TestKeysShareASlot(t *testing.T) {
+// TestKeysHashTag: a key is one Redis key with one hash tag after the
+// prefix (a user's braces in scope or key never choose the Cluster slot),
+// and the tag depends on scope and key both.
+func TestKeysHashTag(t *testing.T) {
 	t.Parallel()
 	s := newStore(t, client(t, redisAddr), redisstore.Config{Prefix: "p:"})
 	tag := func(k string) string { return k[strings.IndexByte(k, '{') : strings.IndexByte(k, '}')+1] }
-	record, lock := s.Keys("alice", "k{1}")
-	if strings.Count(record, "{") != 1 || tag(record) != tag(lock) || !strings.HasPrefix(record, "p:{") {
-		t.Fatalf("keys %q, %q do not share one hash tag after the prefix", record, lock)
+	record := s.Key("alice", "k{1}")
+	if strings.Count(record, "{") != 1 || !strings.HasPrefix(record, "p:{") || !strings.HasSuffix(record, "}") {
+		t.Fatalf("key %q: want p:{<hash>}", record)
 	}
-	other, _ := s.Keys("bob", "k{1}")
-	split, _ := s.Keys("alice", "k{") // ("alice", "k{1}") must not equal ("alice1", "k{") and the like
-	joined, _ := s.Keys("alicek", "{1}")
+	other := s.Key("bob", "k{1}")
+	split := s.Key("alice", "k{") // ("alice", "k{1}") must not equal ("alice1", "k{") and the like
+	joined := s.Key("alicek", "{1}")
 	if tag(other) == tag(record) || tag(split) == tag(record) || tag(joined) == tag(record) {
 		t.Fatal("different (scope, key) pairs share a record")
 	}
@@ -502,7 +535,7 @@ func TestWebhookIntakeOnce(t *testing.T) {
 }
 
 // TestRecordExpiresWithTTL: the recorded response and its fingerprint are
-// one hash that expires Config.TTL after the claim, with no lock left
+// one value that expires Config.TTL after the claim, with no lock left
 // behind; once it has expired the key runs afresh.
 func TestRecordExpiresWithTTL(t *testing.T) {
 	t.Parallel()
@@ -521,20 +554,17 @@ func TestRecordExpiresWithTTL(t *testing.T) {
 		t.Fatalf("first: %s", r)
 	}
 	ctx := context.Background()
-	record, lock := s.Keys("c", key)
-	fields, err := rdb.HGetAll(ctx, record).Result()
+	record := s.Key("c", key)
+	value, err := rdb.Get(ctx, record).Result()
 	if err != nil {
 		t.Fatal(err)
 	}
-	stored, err := redisstore.DecodeResponse([]byte(fields["resp"]))
+	stored, err := redisstore.DecodeRecord(value)
 	if err != nil || stored.Status != http.StatusCreated || string(stored.Body) != "run-1" || len(stored.Fingerprint) != 32 {
-		t.Fatalf("record %q: %+v, %v: want status, body and a 32-byte fingerprint together", fields, stored, err)
+		t.Fatalf("record %q: %+v, %v: want status, body and a 32-byte fingerprint together", value, stored, err)
 	}
 	if ttl := rdb.PTTL(ctx, record).Val(); ttl <= 59*time.Minute || ttl > time.Hour {
 		t.Errorf("record expires in %s, want the TTL (1h) counted from the claim", ttl)
-	}
-	if n := rdb.Exists(ctx, lock).Val(); n != 0 {
-		t.Errorf("the lock outlived the record")
 	}
 	if err := rdb.PExpire(ctx, record, time.Millisecond).Err(); err != nil {
 		t.Fatal(err)
