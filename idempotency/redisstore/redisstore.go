@@ -141,7 +141,9 @@ return 1
 func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl time.Duration) (idempotency.Claim, error) {
 	k := s.Key(scope, key)
 	lock := newLock()
-	old, err := s.rdb.SetArgs(ctx, k, lock, redis.SetArgs{Mode: "NX", TTL: s.cfg.LockTTL, Get: true}).Result()
+	cmd := redis.NewStringCmd(ctx, "set", k, lock, "nx", "px", s.lockMS, "get")
+	_ = s.rdb.Process(ctx, cmd)
+	old, err := cmd.Result()
 	switch {
 	case errors.Is(err, redis.Nil):
 		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, key: k, lock: lock, ttl: ttl, claimed: time.Now()}}, nil
