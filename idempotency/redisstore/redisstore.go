@@ -148,8 +148,11 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 	case errors.Is(err, redis.Nil):
 		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, key: k, lock: lock, ttl: ttl, claimed: time.Now()}}, nil
 	case err != nil:
-		if strings.Contains(err.Error(), "syntax error") {
+		switch msg := err.Error(); {
+		case strings.Contains(msg, "syntax error"):
 			err = fmt.Errorf("%w (SET with both NX and GET needs Redis 7.0 or later)", err)
+		case strings.HasPrefix(msg, "WRONGTYPE"):
+			err = fmt.Errorf("%w (key %s is not this store's: another program, or an earlier layout of this store, uses Config.Prefix %q)", err, k, s.cfg.Prefix)
 		}
 		return idempotency.Claim{}, fmt.Errorf("redisstore: claim: %w", err)
 	case old != "" && old[0] == tagRecorded:

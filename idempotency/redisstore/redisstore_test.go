@@ -600,3 +600,31 @@ func TestResponseEncodingRoundTrips(t *testing.T) {
 		}
 	}
 }
+
+// TestForeignKeyIsAClearError: a key under the prefix that the store did
+// not write (another program's, or a hash of an earlier layout) is an
+// error naming the key and the prefix, and is left as it was.
+func TestForeignKeyIsAClearError(t *testing.T) {
+	t.Parallel()
+	rdb := client(t, redisAddr)
+	p := prefix(t)
+	s := newStore(t, rdb, redisstore.Config{Prefix: p})
+	ctx := context.Background()
+	key := s.Key("c", "k")
+	if err := rdb.HSet(ctx, key, "resp", "x").Err(); err != nil {
+		t.Fatal(err)
+	}
+	_, err := s.Claim(ctx, "c", "k", []byte("fp"), time.Hour)
+	if err == nil || !strings.Contains(err.Error(), "not this store's") || !strings.Contains(err.Error(), key) || !strings.Contains(err.Error(), p) {
+		t.Fatalf("claim of a hash key: %v; want an error naming the key and the prefix", err)
+	}
+	if v := rdb.HGet(ctx, key, "resp").Val(); v != "x" {
+		t.Fatalf("the foreign key was changed: resp %q", v)
+	}
+	if err := rdb.Set(ctx, key, "plain", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Claim(ctx, "c", "k", []byte("fp"), time.Hour); err == nil || !strings.Contains(err.Error(), "neither a lock nor a response") {
+		t.Fatalf("claim of a foreign string key: %v; want an error", err)
+	}
+}
