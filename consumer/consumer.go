@@ -393,31 +393,29 @@ var ErrNotMigrated = errors.New("consumer: a table of oncely's schema does not e
 func (c *Consumer) checkTables(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	tables := []string{sqlident.Table(c.cfg.Schema, "inbox"), sqlident.Table(c.cfg.Schema, "redrive_grants")}
+	// Each requirement is a table, or a column of one (a migration that
+	// added a column the consumer writes).
+	type need struct{ table, column string }
+	needs := []need{{sqlident.Table(c.cfg.Schema, "inbox"), ""}, {sqlident.Table(c.cfg.Schema, "redrive_grants"), ""}}
 	if c.crashLoopOn() {
-		tables = append(tables, c.owners.table)
+		needs = append(needs, need{c.owners.table, ""}, need{c.owners.table, "in_flight"})
 	}
 	var missing []string
-	for _, table := range tables {
+	for _, n := range needs {
 		var found bool
-		if err := c.cfg.Pool.QueryRow(cctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&found); err != nil {
-			c.cfg.Logger.Warn("oncely consumer could not check its tables at start-up", "table", table, "err", err)
+		err := c.cfg.Pool.QueryRow(cctx, `SELECT CASE WHEN $2 = '' THEN to_regclass($1) IS NOT NULL
+			ELSE EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped) END`,
+			n.table, n.column).Scan(&found)
+		if err != nil {
+			c.cfg.Logger.Warn("oncely consumer could not check its tables at start-up", "table", n.table, "err", err)
 			return nil
 		}
-		if !found {
-			missing = append(missing, table)
-		}
-	}
-	if c.crashLoopOn() && !slices.Contains(missing, c.owners.table) {
-		// Migration 0008 added a column the consumer writes.
-		var found bool
-		if err := c.cfg.Pool.QueryRow(cctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'in_flight' AND NOT attisdropped)`,
-			c.owners.table).Scan(&found); err != nil {
-			c.cfg.Logger.Warn("oncely consumer could not check its tables at start-up", "table", c.owners.table, "err", err)
-			return nil
-		}
-		if !found {
-			missing = append(missing, c.owners.table+".in_flight")
+		switch {
+		case found:
+		case n.column == "":
+			missing = append(missing, n.table)
+		case !slices.Contains(missing, n.table): // a missing table's columns go without saying
+			missing = append(missing, n.table+"."+n.column)
 		}
 	}
 	if len(missing) > 0 {

@@ -387,6 +387,25 @@ func TestCleanExitsNeverCountAsCrashes(t *testing.T) {
 	}
 }
 
+// A schema migrated before partition_owners.in_flight (0008) existed fails
+// Run at start-up, naming the column.
+func TestMissingInFlightColumnFailsAtStart(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	if _, err := e.db.Pool.Exec(context.Background(), `ALTER TABLE partition_owners DROP COLUMN in_flight`); err != nil {
+		t.Fatal(err)
+	}
+	c, err := consumer.New(e.config("a", recordEffect("a")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := c.Run(ctx); !errors.Is(err, consumer.ErrNotMigrated) || !strings.Contains(err.Error(), e.db.Schema+`"."partition_owners".in_flight`) {
+		t.Fatalf("Run = %v; want ErrNotMigrated naming %s.partition_owners.in_flight", err, e.db.Schema)
+	}
+}
+
 // A schema migrated before partition_owners existed fails Run at start-up,
 // naming the table, unless crash-loop detection is off (CrashLoopLimit -1):
 // then the consumer needs only the inbox.
@@ -402,8 +421,8 @@ func TestMissingPartitionOwnersFailsAtStart(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := c.Run(ctx); !errors.Is(err, consumer.ErrNotMigrated) || !strings.Contains(err.Error(), e.db.Schema+`"."partition_owners"`) {
-		t.Fatalf("Run = %v; want ErrNotMigrated naming %s.partition_owners", err, e.db.Schema)
+	if err := c.Run(ctx); !errors.Is(err, consumer.ErrNotMigrated) || !strings.Contains(err.Error(), e.db.Schema+`"."partition_owners"`) || strings.Contains(err.Error(), "in_flight") {
+		t.Fatalf("Run = %v; want ErrNotMigrated naming %s.partition_owners (and not its columns)", err, e.db.Schema)
 	}
 
 	cfg := e.config("b", recordEffect("b"))
