@@ -26,8 +26,9 @@ func TestMissingRedriveGrantsFailsAtStart(t *testing.T) {
 }
 
 // assertNotMigrated runs a consumer of cfg and expects Run to fail at
-// start-up with ErrNotMigrated naming the table.
-func assertNotMigrated(t *testing.T, cfg consumer.Config, table string) {
+// start-up with ErrNotMigrated naming the table (or "table".column), and
+// none of notNamed.
+func assertNotMigrated(t *testing.T, cfg consumer.Config, table string, notNamed ...string) {
 	t.Helper()
 	c, err := consumer.New(cfg)
 	if err != nil {
@@ -35,8 +36,18 @@ func assertNotMigrated(t *testing.T, cfg consumer.Config, table string) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := c.Run(ctx); !errors.Is(err, consumer.ErrNotMigrated) || !strings.Contains(err.Error(), cfg.Schema+`"."`+table+`"`) {
+	want := cfg.Schema + `"."` + table
+	if !strings.Contains(table, ".") {
+		want += `"`
+	}
+	err = c.Run(ctx)
+	if !errors.Is(err, consumer.ErrNotMigrated) || !strings.Contains(err.Error(), want) {
 		t.Fatalf("Run = %v; want ErrNotMigrated naming %s.%s", err, cfg.Schema, table)
+	}
+	for _, s := range notNamed {
+		if strings.Contains(err.Error(), s) {
+			t.Fatalf("Run = %v; want %s not named", err, s)
+		}
 	}
 }
 
