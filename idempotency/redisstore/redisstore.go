@@ -122,6 +122,7 @@ return 1
 	// lock by the response.
 	recordScript = redis.NewScript(`
 local v = redis.call('GET', KEYS[1])
+if v == ARGV[2] then return 1 end
 if v and v ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
@@ -145,9 +146,17 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 	_ = s.rdb.Process(ctx, cmd)
 	old, err := cmd.Result()
 	switch {
-	case errors.Is(err, redis.Nil):
+	case errors.Is(err, redis.Nil), err == nil && old == lock: // old == lock: a retried SET whose first run took the key
 		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, key: k, lock: lock, ttl: ttl, claimed: time.Now()}}, nil
 	case err != nil:
+		if rerr := redis.Error(nil); !errors.As(err, &rerr) {
+			// No reply: the SET may have run. Free the key if it holds
+			// this claim's lock, so that the retry the 503 invites is not
+			// answered 409 until LockTTL.
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			_ = releaseScript.Run(rctx, s.rdb, []string{k}, lock).Err()
+			cancel()
+		}
 		switch msg := err.Error(); {
 		case strings.Contains(msg, "syntax error"):
 			err = fmt.Errorf("%w (SET with both NX and GET needs Redis 7.0 or later)", err)
