@@ -145,6 +145,13 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 	cmd := redis.NewStringCmd(ctx, "set", k, lock, "nx", "px", s.lockMS, "get")
 	_ = s.rdb.Process(ctx, cmd)
 	old, err := cmd.Result()
+	if err != nil && strings.HasPrefix(err.Error(), "OOM ") {
+		// Redis is full (maxmemory, noeviction) and refuses every SET, even
+		// one NX would make a no-op; a read still answers a replay or 409.
+		if v, gerr := s.rdb.Get(ctx, k).Result(); gerr == nil && v != "" {
+			old, err = v, nil
+		}
+	}
 	switch {
 	case errors.Is(err, redis.Nil), err == nil && old == lock: // old == lock: a retried SET whose first run took the key
 		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, key: k, lock: lock, ttl: ttl, claimed: time.Now()}}, nil
