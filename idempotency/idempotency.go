@@ -130,8 +130,10 @@ type Config struct {
 	StoreStatus func(status int) bool
 	// TTL is how long a recorded response is replayed, counted from the
 	// start of the first request's transaction (or claim, with another
-	// store); after it the key is free again. It should exceed the longest time clients keep retrying.
-	// Default 24 hours, at least one second.
+	// store; the Redis store keeps a response at least its LockTTL from the
+	// record); after it the key is free again. It should exceed the
+	// longest time clients keep retrying. Default 24 hours, at least one
+	// second.
 	TTL time.Duration
 	// RetryAfter is sent with 409 (key in progress) and 503 (store
 	// unavailable), rounded up to whole seconds. Default 1 second.

@@ -4,7 +4,10 @@
 // Postgres write. It lives in a package of its own so that go-redis is
 // compiled only into programs that import it.
 //
-//	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379"}) // or a Cluster / failover client
+//	rdb := redis.NewClient(&redis.Options{ // or a Cluster / failover client
+//		Addr:                  "127.0.0.1:6379",
+//		ContextTimeoutEnabled: true, // the request's context bounds each call
+//	})
 //	store, err := redisstore.New(rdb, redisstore.Config{})
 //	mw, err := idempotency.NewWithStore(store, idempotency.Config{})
 //	http.Handle("/charges", authenticate(mw.Require(chargeHandler)))
@@ -21,7 +24,8 @@
 // the request that holds it or, once that request is done, its response:
 //
 //	<Prefix>{<sha256(scope, key)>}   "L" + token    PX Config.LockTTL: in progress
-//	                                 "R" + resp     PX the TTL: the response (fingerprint, status, headers, body)
+//	                                 "R" + resp     PX the TTL from the claim (at least LockTTL): the response
+//	                                                (fingerprint, status, headers, body)
 //
 // The hash tag ({...}) makes the key's Cluster slot depend on the scope and
 // the key only, never on braces a client put in them. Every step touches
@@ -57,7 +61,30 @@
 // both at the claim (nothing ran) and at the record (the handler ran; see
 // below). No key is stranded: a lock always has an expiry, a failed record
 // releases it if the key still holds its lock, and if Redis cannot be
-// reached at all the lock lapses LockTTL after the last heartbeat.
+// reached at all the lock lapses LockTTL after the last heartbeat. A reply
+// that is lost leaves no lock behind either: go-redis sends a command again
+// after a connection error (Options.MaxRetries), and a claim whose retried
+// SET finds its own token holds the key, as a record whose retried script
+// finds its own response has recorded it; a claim that got no reply at all
+// (its context ended, the connection broke for good) deletes its lock, if
+// Redis took it, before it answers 503.
+//
+// # Running Redis for it
+//
+// Use maxmemory-policy noeviction (Redis's default). Every key of this
+// store has an expiry, so the volatile-* and allkeys-* policies may evict a
+// lock (a second request then runs the handler while the first still does)
+// or a response (the retry runs the handler again). At maxmemory Redis
+// refuses every SET, the claim's included; the claim then reads the key,
+// so replays and 409 are still answered and only new keys get 503.
+//
+// Enable go-redis's ContextTimeoutEnabled, as above: without it a call waits
+// the client's ReadTimeout whatever the request's context says, and the
+// store's own bounds (a heartbeat's, a release's 5 seconds) do not apply.
+//
+// The claim is a write, so it goes to the primary, replays included: a
+// replica cannot serve them. It needs Redis 7.0 or later (SET with both NX
+// and GET).
 //
 // # What is guaranteed, and the windows that remain
 //
@@ -113,8 +140,7 @@
 // record, a short script) plus one heartbeat per Config.Heartbeat while the
 // handler runs; a replay costs one (the claim's SET, which takes nothing
 // and returns the response). Scripts are sent by SHA (EVALSHA) after their
-// first use. The claim needs Redis 7.0 or later (SET with both NX and GET).
-// Responses are kept in Redis memory for idempotency.Config.TTL (default
+// first use. Responses are kept in Redis memory for idempotency.Config.TTL (default
 // 24 h): size Redis for the request rate times the TTL times the response
 // size. Redis expires the
 // keys itself; idempotency.Middleware.DeleteExpired and Run do nothing.

@@ -27,7 +27,7 @@ type chargeProvider interface {
 // (No Output line: the example needs Redis and a provider.)
 func Example() {
 	var provider chargeProvider // your provider's client
-	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379"})
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379", ContextTimeoutEnabled: true})
 	store, err := redisstore.New(rdb, redisstore.Config{})
 	if err != nil {
 		log.Fatal(err)
@@ -73,7 +73,7 @@ func Example_webhookIntake() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	store, err := redisstore.New(redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379"}), redisstore.Config{})
+	store, err := redisstore.New(redis.NewClient(&redis.Options{Addr: "127.0.0.1:6379", ContextTimeoutEnabled: true}), redisstore.Config{})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -55,8 +55,9 @@ type Store struct {
 }
 
 // New validates cfg and fills in its defaults. rdb may be a single-node,
-// Sentinel (failover) or Cluster client: every script touches the keys of
-// one hash slot only.
+// Sentinel (failover) or Cluster client: every command and script touches
+// one key. Enable its ContextTimeoutEnabled (see the package
+// documentation).
 func New(rdb redis.UniversalClient, cfg Config) (*Store, error) {
 	if rdb == nil {
 		return nil, errors.New("redisstore: rdb is nil")
@@ -161,7 +162,9 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 			// this claim's lock, so that the retry the 503 invites is not
 			// answered 409 until LockTTL.
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-			_ = releaseScript.Run(rctx, s.rdb, []string{k}, lock).Err()
+			if rerr := releaseScript.Run(rctx, s.rdb, []string{k}, lock).Err(); rerr != nil {
+				s.cfg.Logger.WarnContext(ctx, "oncely redisstore: a claim without a reply could not free its lock; it lapses after LockTTL", "key", k, "err", rerr)
+			}
 			cancel()
 		}
 		switch msg := err.Error(); {

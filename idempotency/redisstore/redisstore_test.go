@@ -286,20 +286,14 @@ func TestFencingToken(t *testing.T) {
 	s := newStore(t, rdb, redisstore.Config{Prefix: prefix(t), LockTTL: 200 * time.Millisecond})
 	ctx := context.Background()
 	fp := []byte("fp")
-	old, err := s.Claim(ctx, "c", "k", fp, time.Hour)
-	if err != nil || old.State != idempotency.ClaimTaken {
-		t.Fatalf("first claim: %+v, %v", old, err)
-	}
+	old := takenClaim(t, s, "k", time.Hour)
 	if c, err := s.Claim(ctx, "c", "k", fp, time.Hour); err != nil || c.State != idempotency.ClaimBusy {
 		t.Fatalf("claim while held: %+v, %v; want busy", c, err)
 	}
 	key := s.Key("c", "k")
 	oldLock := rdb.Get(ctx, key).Val()
 	waitGone(t, rdb, key)
-	cur, err := s.Claim(ctx, "c", "k", fp, time.Hour)
-	if err != nil || cur.State != idempotency.ClaimTaken {
-		t.Fatalf("claim after the lock lapsed: %+v, %v", cur, err)
-	}
+	cur := takenClaim(t, s, "k", time.Hour)
 	curLock := rdb.Get(ctx, key).Val()
 	if len(oldLock) != 33 || oldLock[0] != 'L' || len(curLock) != 33 || curLock[0] != 'L' || oldLock == curLock {
 		t.Fatalf("locks %q then %q, want two different L<token> values", oldLock, curLock)
@@ -341,10 +335,7 @@ func TestLapsedLockWithoutRivalStillRecords(t *testing.T) {
 	s := newStore(t, rdb, redisstore.Config{Prefix: prefix(t), LockTTL: 150 * time.Millisecond, Heartbeat: 50 * time.Millisecond})
 	ctx := context.Background()
 	fp := []byte("fp")
-	c, err := s.Claim(ctx, "c", "k", fp, time.Hour)
-	if err != nil || c.State != idempotency.ClaimTaken {
-		t.Fatalf("claim: %+v, %v", c, err)
-	}
+	c := takenClaim(t, s, "k", time.Hour)
 	key := s.Key("c", "k")
 	waitGone(t, rdb, key) // no heartbeat yet: Context not called
 	hctx := c.Lease.Context(ctx)
@@ -627,4 +618,90 @@ func TestForeignKeyIsAClearError(t *testing.T) {
 	if _, err := s.Claim(ctx, "c", "k", []byte("fp"), time.Hour); err == nil || !strings.Contains(err.Error(), "neither a lock nor a response") {
 		t.Fatalf("claim of a foreign string key: %v; want an error", err)
 	}
+}
+
+// TestStaleLeaseRecordsWhenTheNewerOneReleased: a claim's lock lapses, a
+// newer claim takes the key and then releases it without a response (its
+// handler failed). The key is empty again, and the stale lease, which no
+// live claim contends with, records its response; a retry replays it.
+func TestStaleLeaseRecordsWhenTheNewerOneReleased(t *testing.T) {
+	t.Parallel()
+	rdb := client(t, redisAddr)
+	s := newStore(t, rdb, redisstore.Config{Prefix: prefix(t), LockTTL: 150 * time.Millisecond})
+	ctx := context.Background()
+	fp := []byte("fp")
+	stale := takenClaim(t, s, "k", time.Hour)
+	waitGone(t, rdb, s.Key("c", "k"))
+	newer := takenClaim(t, s, "k", time.Hour)
+	newer.Lease.Release(ctx)
+	if n := rdb.Exists(ctx, s.Key("c", "k")).Val(); n != 0 {
+		t.Fatal("the newer claim's Release left the key")
+	}
+	if err := stale.Lease.Record(ctx, idempotency.StoredResponse{Fingerprint: fp, Status: 201, Body: []byte("stale")}); err != nil {
+		t.Fatalf("stale Record on the empty key: %v, want it stored", err)
+	}
+	got, err := s.Claim(ctx, "c", "k", fp, time.Hour)
+	if err != nil || got.State != idempotency.ClaimStored || string(got.Stored.Body) != "stale" {
+		t.Fatalf("retry: %+v, %v; want the stale lease's response replayed", got, err)
+	}
+}
+
+// TestHeartbeatCancelsTheHandlerWhenTheKeyIsTaken: while the handler runs,
+// the key holds a newer claim's lock (as after its lock lapsed and a retry
+// took the key). The next heartbeat finds that lock, leaves it, and cancels
+// the handler's context with ErrLeaseLost as its cause.
+func TestHeartbeatCancelsTheHandlerWhenTheKeyIsTaken(t *testing.T) {
+	t.Parallel()
+	rdb := client(t, redisAddr)
+	s := newStore(t, rdb, redisstore.Config{Prefix: prefix(t), LockTTL: 300 * time.Millisecond, Heartbeat: 100 * time.Millisecond})
+	ctx := context.Background()
+	c := takenClaim(t, s, "k", time.Hour)
+	defer c.Lease.Release(ctx)
+	// Take the key over the way a newer claim whose lock is live does.
+	if err := rdb.Set(ctx, s.Key("c", "k"), "Lnewer", time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	hctx := c.Lease.Context(ctx)
+	select {
+	case <-hctx.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the handler's context was not cancelled after the key was taken")
+	}
+	if cause := context.Cause(hctx); !errors.Is(cause, idempotency.ErrLeaseLost) {
+		t.Fatalf("cause %v, want ErrLeaseLost", cause)
+	}
+	if v := rdb.Get(ctx, s.Key("c", "k")).Val(); v != "Lnewer" {
+		t.Fatalf("the heartbeat changed the newer claim's key: %q", v)
+	}
+}
+
+// TestResponseTTLCountsFromTheClaim: a response recorded a second after
+// its claim expires TTL after the claim, not after the record.
+func TestResponseTTLCountsFromTheClaim(t *testing.T) {
+	t.Parallel()
+	rdb := client(t, redisAddr)
+	s := newStore(t, rdb, redisstore.Config{Prefix: prefix(t), LockTTL: 100 * time.Millisecond})
+	ctx := context.Background()
+	fp := []byte("fp")
+	const ttl = 5 * time.Second
+	c := takenClaim(t, s, "k", ttl)
+	c.Lease.Context(ctx)
+	time.Sleep(time.Second) // the handler's time, which the TTL includes
+	if err := c.Lease.Record(ctx, idempotency.StoredResponse{Fingerprint: fp, Status: 201}); err != nil {
+		t.Fatal(err)
+	}
+	if pttl := rdb.PTTL(ctx, s.Key("c", "k")).Val(); pttl > ttl-time.Second || pttl < ttl-2*time.Second {
+		t.Fatalf("response expires in %s, want TTL (%s) less the second since the claim", pttl, ttl)
+	}
+}
+
+// takenClaim claims ("c", key) with fingerprint "fp" on s, and fails the
+// test unless the claim took the key.
+func takenClaim(t *testing.T, s *redisstore.Store, key string, ttl time.Duration) idempotency.Claim {
+	t.Helper()
+	c, err := s.Claim(context.Background(), "c", key, []byte("fp"), ttl)
+	if err != nil || c.State != idempotency.ClaimTaken {
+		t.Fatalf("claim of %q: %+v, %v; want it taken", key, c, err)
+	}
+	return c
 }
