@@ -75,6 +75,9 @@ type Consumer struct {
 	deadLettered, deadLetterErrs, batches         atomic.Int64
 	contention, crashProbes, crashLoops           atomic.Int64
 	serialUntil                                   atomic.Int64 // unix ns: see lostToContention
+	// waker sends the outbox wake-ups of committed transactions while Run
+	// runs (nil otherwise: the outbox then notifies inside them).
+	waker atomic.Pointer[waker]
 }
 
 // New validates cfg and returns a Consumer. Errors name the offending field
@@ -243,6 +246,15 @@ func (c *Consumer) Run(ctx context.Context) error {
 		probeSlot:  make(chan struct{}, 1),
 		started:    time.Now(),
 	}
+	wk := newWaker(c.cfg.Pool, c.outage)
+	wakerCtx, stopWaker := context.WithCancel(context.WithoutCancel(ctx))
+	go wk.run(wakerCtx)
+	c.waker.Store(wk)
+	defer func() {
+		c.waker.Store(nil)
+		stopWaker()
+		<-wk.done
+	}()
 
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(c.cfg.Brokers...),
@@ -1655,6 +1667,7 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 	}
 	// BEGIN, the claim and the conflict locks travel in one round trip.
 	ref, redrive := redriveRef(rec)
+	ctx, woke := c.wakes(ctx)
 	tx, claimed, err := c.inbox.BeginClaim(ctx, c.cfg.Pool, dedup.Entry{
 		Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
 		Redrive: redrive, RedriveRef: ref,
@@ -1682,6 +1695,7 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		res.err, res.infra, res.contention = fmt.Errorf("consumer: commit: %w", err), databaseFailed(err), isContention(err)
 		return res
 	}
+	woke()
 	return res
 }
 

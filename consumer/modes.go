@@ -344,6 +344,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		entries[i] = dedup.Entry{Group: c.cfg.Group, MessageID: ids[i], Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset}
 	}
 	// BEGIN, the batch's claim and its conflict locks travel in one round trip.
+	ctx, woke := c.wakes(ctx)
 	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries, c.batchLocking(locks)...)
 	if err != nil {
 		return outs, err, databaseFailed(err)
@@ -446,6 +447,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 	if err := tx.Commit(ctx); err != nil {
 		return outs, fmt.Errorf("consumer: commit: %w", err), databaseFailed(err)
 	}
+	woke()
 	return outs, nil, false
 }
 

@@ -411,3 +411,55 @@ func TestBatchHandlersEventsFollowTheirRecords(t *testing.T) {
 		t.Fatalf("events %v; want each record's once, in order: %v", got, want)
 	}
 }
+
+// TestConsumerWakesTheRelayAfterCommit: a handler's Enqueue inside a running
+// consumer sends no NOTIFY in its transaction (whose commit would then take
+// Postgres's database-wide notify lock and hold it through the commit's
+// flush); the member sends the wake-up after the commit, with the payload
+// "consumer". An in-transaction NOTIFY (payload "") would be delivered at
+// the commit, before the member's. A relay that polls once an hour still
+// publishes what the handler enqueued at once. In every consumer mode.
+func TestConsumerWakesTheRelayAfterCommit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx := context.Background()
+	events := e.kafka.CreateTopic(t, "events", 1)
+	ob := e.outbox(t)
+
+	listener, err := pgx.ConnectConfig(ctx, e.db.Pool.Config().ConnConfig.Copy())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer listener.Close(context.WithoutCancel(ctx))
+	if _, err := listener.Exec(ctx, "LISTEN "+pgx.Identifier{"oncely_outbox_" + e.db.Schema}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	cfg := e.config("a", func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if _, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: events, Key: []byte(msg.ID), Value: []byte(msg.ID)}); err != nil {
+			return err
+		}
+		return recordEffect("a")(ctx, tx, msg)
+	})
+	e.produce(t, []msg{{id: "o-1"}})
+	e.start(ctx, cfg)
+	wctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	for {
+		n, err := listener.WaitForNotification(wctx)
+		if err != nil {
+			t.Fatalf("no wake-up from the member after the record's commit: %v", err)
+		}
+		if n.Payload == "consumer" {
+			break
+		}
+		t.Fatalf("notification %q before the member's wake-up: the handler's transaction notified", n.Payload)
+	}
+
+	// A relay that would poll only hourly publishes a later event: woken.
+	e.startRelay(ctx, t, func(cfg *outbox.RelayConfig) { cfg.PollInterval = time.Hour })
+	e.produce(t, []msg{{id: "o-2"}})
+	recs := e.readTopic(t, events, func(r []*kgo.Record) bool { return len(r) >= 2 })
+	if len(recs) != 2 || string(recs[0].Value) != "o-1" || string(recs[1].Value) != "o-2" {
+		t.Fatalf("%d events; want o-1 and o-2", len(recs))
+	}
+}

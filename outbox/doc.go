@@ -50,6 +50,13 @@
 // every PollInterval, so a lost notification or listener delays publishing by
 // at most one interval.
 //
+// A NOTIFY inside a transaction costs its commit: Postgres takes a
+// database-wide lock for it at commit and holds it until the commit record
+// is flushed, so transactions that notify commit one at a time. Inside a
+// handler of a running consumer.Consumer, Enqueue therefore sends none: the
+// member sends the wake-up after the transaction commits, outside it, one
+// statement at a time for all the transactions that committed meanwhile.
+//
 // # Failures
 //
 // A failure is classified by its cause. If Kafka is unavailable or answers

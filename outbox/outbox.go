@@ -263,7 +263,11 @@ func (o *Outbox) write(ctx context.Context, tx pgx.Tx, rows []*row) (map[string]
 		_, err := pgx.ForEachRow(rows, []any{&id}, func() error { stored[id] = true; return nil })
 		return err
 	})
-	b.Queue(`SELECT pg_notify($1, '')`, o.channel)
+	if w := pending.WakesFrom(ctx); w != nil {
+		w.Add(o.channel) // the consumer notifies after its commit
+	} else {
+		b.Queue(`SELECT pg_notify($1, '')`, o.channel)
+	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, fmt.Errorf("outbox: enqueue: %w", err)
 	}

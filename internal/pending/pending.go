@@ -2,11 +2,13 @@
 // for, so that they are sent together, in one statement per writer, just
 // before the batch commits: the consumer puts a Queue in each handler's
 // context; a writer that finds one (the outbox's Enqueue) adds its items to
-// it instead of writing them at once.
+// it instead of writing them at once. It also carries the wake-ups a
+// consumer's transaction owes (Wakes), sent after its commit.
 package pending
 
 import (
 	"context"
+	"slices"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -67,4 +69,36 @@ func With(ctx context.Context, q *Queue) context.Context { return context.WithVa
 func From(ctx context.Context) *Queue {
 	q, _ := ctx.Value(ctxKey{}).(*Queue)
 	return q
+}
+
+// Wakes collects the wake-ups a transaction owes: the NOTIFY channels of
+// the outboxes it wrote to, which the code that commits it sends after the
+// commit, outside the transaction. A NOTIFY inside a transaction takes a
+// database-wide lock at its commit and holds it until the commit is
+// flushed, so that every notifying transaction commits in turn; sent after
+// the commit, and merged, the wake-ups cost the transactions nothing.
+type Wakes struct{ channels []string }
+
+// Add owes a wake-up on channel.
+func (w *Wakes) Add(channel string) {
+	if !slices.Contains(w.channels, channel) {
+		w.channels = append(w.channels, channel)
+	}
+}
+
+// Channels returns the channels owed.
+func (w *Wakes) Channels() []string { return w.channels }
+
+type wakesKey struct{}
+
+// WithWakes returns ctx carrying w: writers that see it owe their wake-ups
+// to w instead of sending them inside the transaction.
+func WithWakes(ctx context.Context, w *Wakes) context.Context {
+	return context.WithValue(ctx, wakesKey{}, w)
+}
+
+// WakesFrom returns the Wakes of ctx, or nil.
+func WakesFrom(ctx context.Context) *Wakes {
+	w, _ := ctx.Value(wakesKey{}).(*Wakes)
+	return w
 }
