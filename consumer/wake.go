@@ -19,7 +19,9 @@ import (
 // turn. One goroutine sends them, one statement at a time; the wake-ups
 // owed while one is on its way go together in the next. A relay therefore
 // wakes at most one statement's time after the commit, and polls anyway
-// (outbox.RelayConfig.PollInterval) should a wake-up be lost. The payload,
+// (outbox.RelayConfig.PollInterval) should a wake-up be lost. Each
+// statement takes a pool connection for its own short transaction, which a
+// record may then wait for, as it would for any other. The payload,
 // "consumer", which relays ignore, tells the wake-up apart from those sent
 // inside transactions (empty).
 type waker struct {
