@@ -426,12 +426,15 @@ func TestConsumerWakesTheRelayAfterCommit(t *testing.T) {
 	events := e.kafka.CreateTopic(t, "events", 1)
 	ob := e.outbox(t)
 
-	listener, err := pgx.ConnectConfig(ctx, e.db.Pool.Config().ConnConfig.Copy())
+	listen := "LISTEN " + pgx.Identifier{"oncely_outbox_" + e.db.Schema}.Sanitize()
+	lcfg := e.db.Pool.Config().ConnConfig.Copy()
+	lcfg.RuntimeParams["application_name"] = "wake-test-listener"
+	listener, err := pgx.ConnectConfig(ctx, lcfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer listener.Close(context.WithoutCancel(ctx))
-	if _, err := listener.Exec(ctx, "LISTEN "+pgx.Identifier{"oncely_outbox_" + e.db.Schema}.Sanitize()); err != nil {
+	if _, err := listener.Exec(ctx, listen); err != nil {
 		t.Fatal(err)
 	}
 	cfg := e.config("a", func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
@@ -456,7 +459,13 @@ func TestConsumerWakesTheRelayAfterCommit(t *testing.T) {
 	}
 
 	// A relay that would poll only hourly publishes a later event: woken.
+	// A notification sent before its listener's LISTEN is lost (Postgres
+	// keeps none for later listeners), so the record comes once it listens.
 	e.startRelay(ctx, t, func(cfg *outbox.RelayConfig) { cfg.PollInterval = time.Hour })
+	eventually(t, time.Minute, "the relay to listen", func() bool {
+		return e.count(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+			AND query = $1 AND application_name <> 'wake-test-listener'`, listen) == 1
+	})
 	e.produce(t, []msg{{id: "o-2"}})
 	recs := e.readTopic(t, events, func(r []*kgo.Record) bool { return len(r) >= 2 })
 	if len(recs) != 2 || string(recs[0].Value) != "o-1" || string(recs[1].Value) != "o-2" {
