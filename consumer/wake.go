@@ -2,7 +2,6 @@ package consumer
 
 import (
 	"context"
-	"slices"
 	"sync"
 	"time"
 
@@ -29,7 +28,7 @@ type waker struct {
 	outage *ratelog.Limiter
 
 	mu     sync.Mutex
-	owed   []string
+	owed   pending.Wakes
 	signal chan struct{} // capacity 1: something is owed
 	done   chan struct{} // closed when run returns
 }
@@ -46,9 +45,7 @@ func (w *waker) owe(wakes *pending.Wakes) {
 	}
 	w.mu.Lock()
 	for _, ch := range chs {
-		if !slices.Contains(w.owed, ch) {
-			w.owed = append(w.owed, ch)
-		}
+		w.owed.Add(ch)
 	}
 	w.mu.Unlock()
 	select {
@@ -74,8 +71,8 @@ func (w *waker) run(ctx context.Context) {
 
 func (w *waker) send(ctx context.Context) {
 	w.mu.Lock()
-	chs := w.owed
-	w.owed = nil
+	chs := w.owed.Channels()
+	w.owed = pending.Wakes{}
 	w.mu.Unlock()
 	if len(chs) == 0 {
 		return

@@ -155,17 +155,15 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 	}
 	switch {
 	case errors.Is(err, redis.Nil), err == nil && old == lock: // old == lock: a retried SET whose first run took the key
-		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, key: k, lock: lock, ttl: ttl, claimed: time.Now()}}, nil
+		return idempotency.Claim{State: idempotency.ClaimTaken, Lease: &lease{s: s, key: k, lock: lock, keepUntil: time.Now().Add(ttl)}}, nil
 	case err != nil:
 		if rerr := redis.Error(nil); !errors.As(err, &rerr) {
 			// No reply: the SET may have run. Free the key if it holds
 			// this claim's lock, so that the retry the 503 invites is not
 			// answered 409 until LockTTL.
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-			if rerr := releaseScript.Run(rctx, s.rdb, []string{k}, lock).Err(); rerr != nil {
+			if rerr := s.release(ctx, k, lock, time.Second); rerr != nil {
 				s.cfg.Logger.WarnContext(ctx, "oncely redisstore: a claim without a reply could not free its lock; it lapses after LockTTL", "key", k, "err", rerr)
 			}
-			cancel()
 		}
 		switch msg := err.Error(); {
 		case strings.Contains(msg, "syntax error"):
@@ -186,6 +184,15 @@ func (s *Store) Claim(ctx context.Context, scope, key string, fp []byte, ttl tim
 	return idempotency.Claim{}, fmt.Errorf("redisstore: corrupt record %s: neither a lock nor a response", k)
 }
 
+// release deletes key if it still holds lock, within d of a context that
+// ctx's cancellation does not end (a release follows a request that may
+// have been cancelled).
+func (s *Store) release(ctx context.Context, key, lock string, d time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), d)
+	defer cancel()
+	return releaseScript.Run(ctx, s.rdb, []string{key}, lock).Err()
+}
+
 // newLock returns a fresh lock value: the tag and a random 128-bit fencing
 // token, unique to this claim (unguessable is not needed, unique is).
 func newLock() string {
@@ -203,12 +210,11 @@ func newLock() string {
 // is a timer that re-arms itself, so a request shorter than Heartbeat costs
 // no goroutine.
 type lease struct {
-	s        *Store
-	key      string
-	lock     string
-	ttl      time.Duration // the response's, counted from claimed
-	claimed  time.Time
-	finished bool // recorded, or refused by the fencing check: nothing to release
+	s         *Store
+	key       string
+	lock      string
+	keepUntil time.Time // the response's expiry: the TTL from the claim
+	finished  bool      // recorded, or refused by the fencing check: nothing to release
 
 	mu      sync.Mutex
 	stopped bool
@@ -284,7 +290,7 @@ func (l *lease) Failed() bool { return false }
 // (at least LockTTL from now), unless a newer claim took the key.
 func (l *lease) Record(ctx context.Context, r idempotency.StoredResponse) error {
 	l.halt()
-	keep := max(l.ttl-time.Since(l.claimed), l.s.cfg.LockTTL)
+	keep := max(time.Until(l.keepUntil), l.s.cfg.LockTTL)
 	ok, err := recordScript.Run(ctx, l.s.rdb, []string{l.key}, l.lock, encodeRecord(r), keep.Milliseconds()).Int()
 	switch {
 	case err != nil:
@@ -304,9 +310,7 @@ func (l *lease) Release(ctx context.Context) {
 	if l.finished {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	if err := releaseScript.Run(ctx, l.s.rdb, []string{l.key}, l.lock).Err(); err != nil {
+	if err := l.s.release(ctx, l.key, l.lock, 5*time.Second); err != nil {
 		l.s.cfg.Logger.WarnContext(ctx, "oncely redisstore: release failed; the lock lapses after LockTTL", "key", l.key, "err", err)
 	}
 }
