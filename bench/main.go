@@ -34,14 +34,15 @@ import (
 )
 
 type options struct {
-	dbURL      string
-	modes      string
-	n          int
-	batchN     int
-	batchRecsN int
-	partitions int
-	keys       int
-	conns      int
+	fetchMaxWait time.Duration
+	dbURL        string
+	modes        string
+	n            int
+	batchN       int
+	batchRecsN   int
+	partitions   int
+	keys         int
+	conns        int
 
 	latencyRecords int
 	latencyRate    float64
@@ -130,6 +131,7 @@ func main() {
 	flag.IntVar(&o.conns, "conns", 4, "Postgres connections of the throughput modes (and of the ceiling)")
 	flag.IntVar(&o.latencyRecords, "latency-records", 1000, "records produced at -latency-rate after the backlog drained; their latencies are p50/p99")
 	flag.Float64Var(&o.latencyRate, "latency-rate", 500, "records/s of the latency phase")
+	flag.DurationVar(&o.fetchMaxWait, "fetch-max-wait", 0, "consumer.Config.FetchMaxWait of the oncely modes (0: its default)")
 	flag.IntVar(&o.batchSize, "batch-size", 500, "consumer.Config.BatchSize of batch mode")
 	flag.IntVar(&o.keyN, "key-n", 5000, "records of the per-key parallel mode (one partition, 100 keys)")
 	flag.IntVar(&o.keySeqN, "key-seq-n", 500, "records of the per-partition sequential mode it is compared with")

@@ -219,6 +219,8 @@ func oncelyConfig(k kafkaRun) consumer.Config {
 		Group:   k.group,
 		Pool:    k.db.pool,
 		Schema:  k.db.schema,
+		// 0: the consumer's default.
+		FetchMaxWait: k.env.opts.fetchMaxWait,
 		Handler: func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
 			it, err := itemOf(msg.ID, msg.Record)
 			if err != nil {

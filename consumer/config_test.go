@@ -50,6 +50,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{"upper-case schema", func(c *consumer.Config) { c.Schema = "Oncely" }, "Schema"},
 		{"negative attempts", func(c *consumer.Config) { c.MaxAttempts = -1 }, "MaxAttempts"},
 		{"negative timeout", func(c *consumer.Config) { c.SessionTimeout = -time.Second }, "SessionTimeout"},
+		{"negative fetch wait", func(c *consumer.Config) { c.FetchMaxWait = -time.Millisecond }, "FetchMaxWait"},
 		{"short dead-letter timeout", func(c *consumer.Config) { c.DeadLetterTimeout = 100 * time.Millisecond }, "DeadLetterTimeout"},
 		{"dead-letter topic is the source", func(c *consumer.Config) { c.DeadLetterTopic = func(t string) string { return t } }, "DeadLetterTopic"},
 		{"negative record limit", func(c *consumer.Config) { c.MaxRecordBytes = -1 }, "MaxRecordBytes"},

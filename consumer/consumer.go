@@ -269,7 +269,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.DisableAutoCommit(),
 		// A resumed partition waits for the fetch in flight to return; a
 		// short broker-side wait keeps that pause short.
-		kgo.FetchMaxWait(500 * time.Millisecond),
+		kgo.FetchMaxWait(c.cfg.FetchMaxWait),
 		kgo.BlockRebalanceOnPoll(),
 		kgo.Balancers(kgo.CooperativeStickyBalancer()),
 		kgo.SessionTimeout(c.cfg.SessionTimeout),
