@@ -75,9 +75,9 @@ type Consumer struct {
 	deadLettered, deadLetterErrs, batches         atomic.Int64
 	contention, crashProbes, crashLoops           atomic.Int64
 	serialUntil                                   atomic.Int64 // unix ns: see lostToContention
-	// waker sends the outbox wake-ups of committed transactions while Run
-	// runs (nil otherwise: the outbox then notifies inside them).
-	waker atomic.Pointer[waker]
+	// waker sends the outbox wake-ups of committed transactions, after
+	// their commits.
+	waker *waker
 }
 
 // New validates cfg and returns a Consumer. Errors name the offending field
@@ -110,6 +110,7 @@ func New(cfg Config) (*Consumer, error) {
 	if cfg.CrashLoopLimit > 0 {
 		owners = newOwnerQueries(cfg.Schema)
 	}
+	outage := ratelog.New(cfg.Logger, cfg.LogInterval)
 	return &Consumer{
 		system:  systemAttr(&cfg),
 		owners:  owners,
@@ -120,7 +121,8 @@ func New(cfg Config) (*Consumer, error) {
 		tracer:  telemetry.Tracer(cfg.TracerProvider),
 		meter:   meter,
 		metrics: metrics,
-		outage:  ratelog.New(cfg.Logger, cfg.LogInterval),
+		outage:  outage,
+		waker:   newWaker(cfg.Pool, outage),
 	}, nil
 }
 
@@ -223,7 +225,8 @@ type run struct {
 // fails at once, with ErrNotMigrated, when a table it uses (the inbox, the
 // redrive grants, the partition owners) does not exist in Config.Schema. On
 // the way out it finishes in-flight records, commits offsets and leaves the
-// group, all bounded by ShutdownTimeout. It
+// group, all bounded by ShutdownTimeout; then it sends the outbox wake-ups
+// that the last commits owe (WaitWakeUps). It
 // returns nil after a shutdown requested through ctx. Run may be called once.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.started.CompareAndSwap(false, true) {
@@ -246,15 +249,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 		probeSlot:  make(chan struct{}, 1),
 		started:    time.Now(),
 	}
-	wk := newWaker(c.cfg.Pool, c.outage)
-	wakerCtx, stopWaker := context.WithCancel(context.WithoutCancel(ctx))
-	go wk.run(wakerCtx)
-	c.waker.Store(wk)
-	defer func() {
-		c.waker.Store(nil)
-		stopWaker()
-		<-wk.done
-	}()
+	// Last on the way out: the wake-ups that the last commits owe.
+	defer c.WaitWakeUps(context.WithoutCancel(ctx))
 
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(c.cfg.Brokers...),
@@ -1147,7 +1143,9 @@ func (c *Consumer) deliver(ctx context.Context, rec *kgo.Record, src Source, pri
 // DeliverBatch's transactions; DeadLetterTopic
 // names a message's dead-letter destination in spans and logs; crash-loop
 // detection is off (CrashLoopLimit -1): the broker's delivery count, through
-// Source.Spent, stands for it.
+// Source.Spent, stands for it. The outbox wake-ups that its transactions
+// owe are sent after their commits (see WaitWakeUps, for the adapter's
+// stop).
 func NewRecordPath(cfg Config, system string) (*Consumer, error) {
 	if system == "" {
 		return nil, fmt.Errorf("%w: system: a messaging.system name is required", ErrInvalidConfig)

@@ -11,88 +11,127 @@ import (
 	"github.com/oncely/oncely/internal/ratelog"
 )
 
-// waker sends the outbox wake-ups (NOTIFY) that this member's committed
+// wakeTimeout bounds one wake-up statement.
+const wakeTimeout = 2 * time.Second
+
+// wakeWait bounds waker.wait: the statement on its way, the one with the
+// wake-ups owed meanwhile, and a margin for their cancellation.
+const wakeWait = 2*wakeTimeout + time.Second
+
+// waker sends the outbox wake-ups (NOTIFY) that the record path's committed
 // transactions owe, after their commits and outside them: a NOTIFY inside a
 // transaction takes a database-wide lock at its commit, held until the
 // commit is flushed, so every transaction that enqueued would commit in
-// turn. One goroutine sends them, one statement at a time; the wake-ups
-// owed while one is on its way go together in the next. A relay therefore
-// wakes at most one statement's time after the commit, and polls anyway
-// (outbox.RelayConfig.PollInterval) should a wake-up be lost. Each
+// turn. It serves every broker alike: Run's Kafka member, and the adapters
+// that drive the record path through Deliver and DeliverBatch.
+//
+// One sender goroutine sends them, one statement at a time; the wake-ups
+// owed while one is on its way go together in the next. The sender starts
+// when a wake-up is owed and none runs, and it exits once nothing is owed,
+// so no goroutine outlives the work: an idle Consumer has none, and no
+// start or stop is needed. A relay therefore wakes at most one statement's
+// time (wakeTimeout at worst) after the commit, and polls anyway
+// (outbox.RelayConfig.PollInterval) should a wake-up be lost: a failed
+// statement is only logged, at most once per Config.LogInterval. Each
 // statement takes a pool connection for its own short transaction, which a
 // record may then wait for, as it would for any other. The payload,
 // "consumer", which relays ignore, tells the wake-up apart from those sent
 // inside transactions (empty).
+//
+// A stopping owner waits for the sender (wait, WaitWakeUps) after its last
+// transaction ended, so that the last wake-ups owed go out before it
+// returns, and no statement uses the pool after that.
 type waker struct {
-	pool   *pgxpool.Pool
+	// notify sends one statement's wake-ups (pg_notify on the pool).
+	notify func(ctx context.Context, channels []string) error
 	outage *ratelog.Limiter
 
-	mu     sync.Mutex
-	owed   pending.Wakes
-	signal chan struct{} // capacity 1: something is owed
-	done   chan struct{} // closed when run returns
+	mu      sync.Mutex
+	owed    pending.Wakes
+	sending bool          // a sender goroutine runs
+	idle    chan struct{} // closed when the sender that runs (or ran last) exits
 }
 
 func newWaker(pool *pgxpool.Pool, outage *ratelog.Limiter) *waker {
-	return &waker{pool: pool, outage: outage, signal: make(chan struct{}, 1), done: make(chan struct{})}
+	return &waker{outage: outage, notify: func(ctx context.Context, channels []string) error {
+		_, err := pool.Exec(ctx, `SELECT pg_notify(c, 'consumer') FROM unnest($1::text[]) AS c`, channels)
+		return err
+	}}
 }
 
-// owe records the wake-ups of a committed transaction.
+// owe records the wake-ups of a committed transaction, and starts a sender
+// unless one runs: that one sends them with its next statement.
 func (w *waker) owe(wakes *pending.Wakes) {
 	chs := wakes.Channels()
 	if len(chs) == 0 {
 		return
 	}
 	w.mu.Lock()
+	defer w.mu.Unlock()
 	for _, ch := range chs {
 		w.owed.Add(ch)
 	}
-	w.mu.Unlock()
-	select {
-	case w.signal <- struct{}{}:
-	default:
-	}
-}
-
-// run sends what is owed until ctx is done, then what is still owed.
-func (w *waker) run(ctx context.Context) {
-	defer close(w.done)
-	for {
-		select {
-		case <-w.signal:
-		case <-ctx.Done():
-		}
-		w.send(context.WithoutCancel(ctx)) // a stop waits for the last one
-		if ctx.Err() != nil {
-			return
-		}
-	}
-}
-
-func (w *waker) send(ctx context.Context) {
-	w.mu.Lock()
-	chs := w.owed.Channels()
-	w.owed = pending.Wakes{}
-	w.mu.Unlock()
-	if len(chs) == 0 {
+	if w.sending {
 		return
 	}
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	if _, err := w.pool.Exec(ctx, `SELECT pg_notify(c, 'consumer') FROM unnest($1::text[]) AS c`, chs); err != nil {
-		w.outage.Warn(ctx, "oncely consumer: waking the outbox relays failed; they find the rows at their next poll", "err", err)
+	w.sending, w.idle = true, make(chan struct{})
+	go w.send(w.idle)
+}
+
+// send sends what is owed, one statement at a time, until nothing is; then
+// it closes idle and exits.
+func (w *waker) send(idle chan struct{}) {
+	for {
+		w.mu.Lock()
+		chs := w.owed.Channels()
+		w.owed = pending.Wakes{}
+		if len(chs) == 0 {
+			w.sending = false
+			close(idle)
+			w.mu.Unlock()
+			return
+		}
+		w.mu.Unlock()
+		ctx, cancel := context.WithTimeout(context.Background(), wakeTimeout)
+		if err := w.notify(ctx, chs); err != nil {
+			w.outage.Warn(ctx, "oncely consumer: waking the outbox relays failed; they find the rows at their next poll", "err", err)
+		}
+		cancel()
 	}
 }
 
-// wakes returns ctx carrying a fresh pending.Wakes when a waker runs (the
-// outbox then owes its wake-ups to it rather than notifying inside the
-// transaction), and the function that hands them to the waker once the
-// transaction committed.
-func (c *Consumer) wakes(ctx context.Context) (context.Context, func()) {
-	w := c.waker.Load()
-	if w == nil {
-		return ctx, func() {}
+// wait returns once no sender runs: every wake-up owed before the call was
+// sent (or its statement failed). It returns earlier when ctx is done, or
+// after wakeWait, which is enough unless wake-ups go on being owed.
+func (w *waker) wait(ctx context.Context) {
+	w.mu.Lock()
+	sending, idle := w.sending, w.idle
+	w.mu.Unlock()
+	if !sending {
+		return
 	}
-	wakes := new(pending.Wakes)
-	return pending.WithWakes(ctx, wakes), func() { w.owe(wakes) }
+	t := time.NewTimer(wakeWait)
+	defer t.Stop()
+	select {
+	case <-idle:
+	case <-ctx.Done():
+	case <-t.C:
+	}
 }
+
+// wakes returns ctx carrying a fresh pending.Wakes (the outbox then owes
+// its wake-ups to it rather than notifying inside the transaction), and the
+// function that hands them to the waker once the transaction committed.
+func (c *Consumer) wakes(ctx context.Context) (context.Context, func()) {
+	wakes := new(pending.Wakes)
+	return pending.WithWakes(ctx, wakes), func() { c.waker.owe(wakes) }
+}
+
+// WaitWakeUps returns once the outbox wake-ups owed by the transactions
+// that committed so far have been sent, or their statement failed (relays
+// find the rows at their next poll then); or earlier, when ctx is done or
+// about five seconds passed (each statement is bounded by two). Run calls
+// it on its way out. A broker adapter of the record path (NewRecordPath)
+// calls it when it stops, after its last Deliver returned, so that the last
+// wake-ups go out before it returns and none uses the pool afterwards.
+func (c *Consumer) WaitWakeUps(ctx context.Context) { c.waker.wait(ctx) }
