@@ -80,6 +80,11 @@
 // stream's duplicate window (Duplicates, default 2 minutes) stores them
 // once, and a consumer's inbox skips a republish that comes later.
 //
+// A handler that enqueues to the outbox (outbox.Enqueue) sends no NOTIFY
+// inside its transaction: the record path wakes the relays after the
+// commit, as the Kafka consumer does, and Run returns after the last of
+// these wake-ups went out.
+//
 // # What is not guaranteed
 //
 // Order: messages run Concurrency at a time, and a retried message comes

@@ -338,6 +338,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	r.stopping.Store(true)
 	brokersource.Drain(&wg, c.cfg.ShutdownTimeout, cancelWork)
 	r.confirmAcks()
+	// The outbox wake-ups that the last commits owe.
+	c.path.WaitWakeUps(context.WithoutCancel(ctx))
 	// pollCtx ended on its own cause only through fail.
 	if err := brokersource.StopError(ctx, pollCtx); err != nil {
 		c.cfg.Logger.Error("oncely nats consumer stopped", "err", err)

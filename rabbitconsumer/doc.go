@@ -170,6 +170,11 @@
 // the confirmations and the mark publishes the rows again, and the
 // consumers' inboxes skip the copies.
 //
+// A handler that enqueues to the outbox (outbox.Enqueue) sends no NOTIFY
+// inside its transaction: the record path wakes the relays after the
+// commit, as the Kafka consumer does, and Run returns after the last of
+// these wake-ups went out.
+//
 // # Dead letters: listing and redriving
 //
 // OpenDeadLetters opens a dead-letter queue for the tools of package dlq

@@ -401,6 +401,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.disconnected("stopped")
 	brokersource.Drain(&r.wg, c.cfg.ShutdownTimeout, cancelWork)
 	r.closeConn() // what is still unacknowledged goes back to its queue
+	// The outbox wake-ups that the last commits owe.
+	c.path.WaitWakeUps(context.WithoutCancel(ctx))
 	if err := brokersource.StopError(ctx, runCtx); err != nil {
 		c.cfg.Logger.Error("oncely rabbitmq consumer stopped", "err", err)
 		return err
