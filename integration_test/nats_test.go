@@ -3,6 +3,7 @@ package integration_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strconv"
 	"strings"
@@ -682,4 +683,22 @@ func relayRepublishes(t *testing.T, db *testenv.DB, pub outbox.Publisher, topic 
 		t.Fatal(err)
 	}
 	return ids, published.Load()
+}
+
+// A handler's Enqueue inside the JetStream consumer sends no NOTIFY in its
+// transaction: the record path wakes the relays after the commit (the
+// payload "consumer"), as the Kafka consumer does; in record and batch
+// mode.
+func TestNATSWakesTheRelayAfterCommit(t *testing.T) {
+	for _, size := range []int{1, 4} {
+		t.Run(fmt.Sprintf("batch_size=%d", size), func(t *testing.T) {
+			e := newNATSEnv(t)
+			h, listener := e.enqueueing()
+			e.start(t.Context(), e.batchConfig(e.js, h, size))
+			e.publish(e.subject, "order", map[string]string{nats.MsgIdHdr: "order-1"})
+			listener.consumerWake(t)
+			e.settled()
+			e.effects(1)
+		})
+	}
 }

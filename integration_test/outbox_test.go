@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/oncely/oncely/consumer"
+	"github.com/oncely/oncely/internal/testenv"
 	"github.com/oncely/oncely/internal/testhook"
 	"github.com/oncely/oncely/outbox"
 )
@@ -412,6 +413,62 @@ func TestBatchHandlersEventsFollowTheirRecords(t *testing.T) {
 	}
 }
 
+// wakeListener LISTENs, on a connection of its own, on the outbox channel
+// of a schema: it sees the wake-ups that relays would.
+type wakeListener struct {
+	conn   *pgx.Conn
+	listen string // the LISTEN statement, as pg_stat_activity shows it
+}
+
+// wakeListenerApp is the application_name of a wakeListener's connection.
+const wakeListenerApp = "wake-test-listener"
+
+// listenForWakes starts listening on db's outbox channel; the connection
+// is closed when the test ends.
+func listenForWakes(t *testing.T, db *testenv.DB) *wakeListener {
+	t.Helper()
+	ctx := context.Background()
+	cfg := db.Pool.Config().ConnConfig.Copy()
+	cfg.RuntimeParams["application_name"] = wakeListenerApp
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	l := &wakeListener{conn: conn, listen: "LISTEN " + pgx.Identifier{"oncely_outbox_" + db.Schema}.Sanitize()}
+	if _, err := conn.Exec(ctx, l.listen); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// consumerWake waits for a consumer's wake-up, sent after its commit (the
+// payload "consumer"), and fails the test if a notification sent inside a
+// transaction (the payload "", delivered at its commit, so before the
+// consumer's) comes first, or none comes within a minute.
+func (l *wakeListener) consumerWake(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	n, err := l.conn.WaitForNotification(ctx)
+	if err != nil {
+		t.Fatalf("no wake-up from the consumer after the handler's commit: %v", err)
+	}
+	if n.Payload != "consumer" {
+		t.Fatalf("notification %q before the consumer's wake-up: the handler's transaction notified", n.Payload)
+	}
+}
+
+// enqueueingHandler enqueues the message's id to ob's topic, then runs h.
+func enqueueingHandler(ob *outbox.Outbox, topic string, h consumer.Handler) consumer.Handler {
+	return func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		if _, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: topic, Key: []byte(msg.ID), Value: []byte(msg.ID)}); err != nil {
+			return err
+		}
+		return h(ctx, tx, msg)
+	}
+}
+
 // TestConsumerWakesTheRelayAfterCommit: a handler's Enqueue inside a running
 // consumer sends no NOTIFY in its transaction (whose commit would then take
 // Postgres's database-wide notify lock and hold it through the commit's
@@ -424,39 +481,10 @@ func TestConsumerWakesTheRelayAfterCommit(t *testing.T) {
 	e := newEnv(t, 1)
 	ctx := context.Background()
 	events := e.kafka.CreateTopic(t, "events", 1)
-	ob := e.outbox(t)
-
-	listen := "LISTEN " + pgx.Identifier{"oncely_outbox_" + e.db.Schema}.Sanitize()
-	lcfg := e.db.Pool.Config().ConnConfig.Copy()
-	lcfg.RuntimeParams["application_name"] = "wake-test-listener"
-	listener, err := pgx.ConnectConfig(ctx, lcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer listener.Close(context.WithoutCancel(ctx))
-	if _, err := listener.Exec(ctx, listen); err != nil {
-		t.Fatal(err)
-	}
-	cfg := e.config("a", func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-		if _, err := ob.Enqueue(ctx, tx, outbox.Message{Topic: events, Key: []byte(msg.ID), Value: []byte(msg.ID)}); err != nil {
-			return err
-		}
-		return recordEffect("a")(ctx, tx, msg)
-	})
+	listener := listenForWakes(t, e.db)
 	e.produce(t, []msg{{id: "o-1"}})
-	e.start(ctx, cfg)
-	wctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	for {
-		n, err := listener.WaitForNotification(wctx)
-		if err != nil {
-			t.Fatalf("no wake-up from the member after the record's commit: %v", err)
-		}
-		if n.Payload == "consumer" {
-			break
-		}
-		t.Fatalf("notification %q before the member's wake-up: the handler's transaction notified", n.Payload)
-	}
+	e.start(ctx, e.config("a", enqueueingHandler(e.outbox(t), events, recordEffect("a"))))
+	listener.consumerWake(t)
 
 	// A relay that would poll only hourly publishes a later event: woken.
 	// A notification sent before its listener's LISTEN is lost (Postgres
@@ -464,7 +492,7 @@ func TestConsumerWakesTheRelayAfterCommit(t *testing.T) {
 	e.startRelay(ctx, t, func(cfg *outbox.RelayConfig) { cfg.PollInterval = time.Hour })
 	eventually(t, time.Minute, "the relay to listen", func() bool {
 		return e.count(t, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-			AND query = $1 AND application_name <> 'wake-test-listener'`, listen) == 1
+			AND query = $1 AND application_name <> $2`, listener.listen, wakeListenerApp) == 1
 	})
 	e.produce(t, []msg{{id: "o-2"}})
 	recs := e.readTopic(t, events, func(r []*kgo.Record) bool { return len(r) >= 2 })

@@ -1486,3 +1486,23 @@ func TestRabbitDeadLetterListingBeyondOnePrefetch(t *testing.T) {
 	}
 	e.settledIn(dq, n)
 }
+
+// A handler's Enqueue inside the RabbitMQ consumer sends no NOTIFY in its
+// transaction: the record path wakes the relays after the commit (the
+// payload "consumer"), as the Kafka consumer does; in record and batch
+// mode.
+func TestRabbitWakesTheRelayAfterCommit(t *testing.T) {
+	for _, size := range []int{1, 4} {
+		t.Run(fmt.Sprintf("batch_size=%d", size), func(t *testing.T) {
+			e := newRabbitEnv(t)
+			h, listener := e.enqueueing()
+			r := e.start(t.Context(), e.batchConfig(h, size))
+			e.publish(e.queue, "order", "order-1", nil)
+			listener.consumerWake(t)
+			r.settled(t, 1)
+			r.stop(t)
+			e.empty(e.queue)
+			e.effects(1)
+		})
+	}
+}

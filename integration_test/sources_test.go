@@ -16,6 +16,7 @@ import (
 	"github.com/oncely/oncely/consumer"
 	"github.com/oncely/oncely/internal/sqlident"
 	"github.com/oncely/oncely/internal/testenv"
+	"github.com/oncely/oncely/outbox"
 )
 
 // What the tests of the broker sources that run the consumer's record path
@@ -44,6 +45,18 @@ func sourceEffect(member string) consumer.Handler {
 		_, err := tx.Exec(ctx, `INSERT INTO effects (message_id, member) VALUES ($1, $2)`, msg.ID, member)
 		return err
 	}
+}
+
+// enqueueing is a handler that enqueues each message's id to the outbox
+// of d's schema and records its effect, and a listener of that outbox's
+// wake-ups.
+func (d sourceDB) enqueueing() (consumer.Handler, *wakeListener) {
+	d.t.Helper()
+	ob, err := outbox.New(outbox.Config{Schema: d.db.Schema})
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	return enqueueingHandler(ob, "events", sourceEffect("a")), listenForWakes(d.t, d.db)
 }
 
 func (d sourceDB) count(sql string, args ...any) int64 {
