@@ -53,9 +53,13 @@
 // A NOTIFY inside a transaction costs its commit: Postgres takes a
 // database-wide lock for it at commit and holds it until the commit record
 // is flushed, so transactions that notify commit one at a time. Inside a
-// handler of a running consumer.Consumer, Enqueue therefore sends none: the
-// member sends the wake-up after the transaction commits, outside it, one
-// statement at a time for all the transactions that committed meanwhile.
+// consumer's handler (consumer.Consumer, and the JetStream and RabbitMQ
+// consumers of packages natsconsumer and rabbitconsumer, which run the same
+// record path), Enqueue therefore sends none: the consumer sends the
+// wake-up after the transaction commits, outside it, one statement at a
+// time for all the transactions that committed meanwhile, and its Run
+// returns after the last one. Elsewhere (a transaction of your own),
+// Enqueue notifies inside the transaction as described above.
 //
 // # Failures
 //
