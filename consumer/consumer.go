@@ -1080,8 +1080,7 @@ func (c *Consumer) deliver(ctx context.Context, rec *kgo.Record, src Source, pri
 		case res.err == nil:
 			src.DatabaseDown(false)
 			if res.duplicate {
-				c.duplicates.Add(1)
-				c.metrics.duplicates.Add(ctx, 1, c.topicAttrs(rec))
+				c.countDuplicate(ctx, rec)
 			} else {
 				c.processed.Add(1)
 				c.firstCommit()
@@ -1215,6 +1214,13 @@ func WithSpanAttributes(ctx context.Context, kv ...attribute.KeyValue) context.C
 // the redrive grants) that does not exist in Config.Schema.
 func (c *Consumer) CheckSchema(ctx context.Context) error { return c.checkTables(ctx) }
 
+// countDuplicate counts rec as a duplicate: its id had finished (processed,
+// or dead-lettered) before this delivery, so no handler ran for it.
+func (c *Consumer) countDuplicate(ctx context.Context, rec *kgo.Record) {
+	c.duplicates.Add(1)
+	c.metrics.duplicates.Add(ctx, 1, c.topicAttrs(rec))
+}
+
 // deliveredOut settles a record that the broker delivered MaxAttempts
 // times already (Source.Spent) without any attempt settling it: each one
 // ended with its process, or its connection, before a verdict (a crash
@@ -1249,8 +1255,7 @@ func (c *Consumer) deliveredOut(ctx context.Context, rec *kgo.Record, src Source
 		return false
 	}
 	if found {
-		c.duplicates.Add(1)
-		c.metrics.duplicates.Add(ctx, 1, c.topicAttrs(rec))
+		c.countDuplicate(ctx, rec)
 		return src.Settle(ctx, rec, o == dedup.DeadLettered)
 	}
 	now := time.Now()

@@ -349,8 +349,7 @@ func (w *worker) crashLooped(rec *kgo.Record, id string, kills int) bool {
 		return false
 	}
 	if claimed {
-		c.duplicates.Add(1)
-		c.metrics.duplicates.Add(w.ctx, 1, c.topicAttrs(rec))
+		c.countDuplicate(w.ctx, rec)
 		return w.hook(w.r.hooks.AfterCommit, rec)
 	}
 	now := time.Now()

@@ -266,8 +266,7 @@ func (c *Consumer) runBatch(p *batchPath, b *batch) bool {
 			case o.deferred || o.err != nil:
 				continue
 			case o.duplicate:
-				c.duplicates.Add(1)
-				c.metrics.duplicates.Add(p.ctx, 1, c.topicAttrs(rec))
+				c.countDuplicate(p.ctx, rec)
 			default:
 				c.processed.Add(1)
 				committed = true
