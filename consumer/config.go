@@ -209,7 +209,12 @@ type Config struct {
 	// migration 0008) then run one at a time, each in its own transaction (no batch,
 	// no key parallelism), one at a time across the member's probing
 	// partitions, and each is marked in the partition_owners table
-	// (migration 0006) before its KeyFunc and handler run. When the process
+	// (migration 0006) before its KeyFunc and handler run. Records that had
+	// finished (most of them: those the dead owner finished after its last
+	// offset commit) pass as duplicates; without a KeyFunc, the probe asks
+	// the inbox about the records buffered ahead of it in one statement,
+	// and those it finds finished pass without a mark or a transaction of
+	// their own. When the process
 	// dies, the next start counts the death against the marked record
 	// unless it finished (processed, or dead-lettered and not redriven); a
 	// probe that meets that record again, not finished, with
@@ -227,8 +232,9 @@ type Config struct {
 	// counts as a death when the next owner writes the partition's row
 	// before the lost member deletes it: nothing in the row tells a live
 	// former owner from a dead one. The cost is a statement per partition assigned
-	// and revoked, and a mark per record while probing; none on the
-	// ordinary record path.
+	// and revoked, and while probing a mark per record that had not finished
+	// (per record with a KeyFunc) and a statement per look-ahead; none on
+	// the ordinary record path.
 	//
 	// Default 3 (DefaultCrashLoopLimit); -1 turns the detection off (no
 	// table is read or written, a record that kills the process is received

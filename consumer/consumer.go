@@ -987,8 +987,8 @@ func waitDone(done <-chan struct{}, d time.Duration) bool {
 // dead-lettered (true), or the worker is stopped or abandoned (false).
 func (w *worker) process(rec *kgo.Record) bool {
 	c := w.r.c
-	if size := recordSize(rec); c.cfg.MaxRecordBytes > 0 && size > c.cfg.MaxRecordBytes {
-		now := time.Now()
+	if c.oversized(rec) {
+		size, now := recordSize(rec), time.Now()
 		id, err := c.messageID(rec)
 		if err != nil {
 			id = c.fallbackID(rec)
@@ -1606,6 +1606,12 @@ func fitsTopic(ctx context.Context, cl *kgo.Client, topic string, rec *kgo.Recor
 	// The 61-byte batch header, and generous varint framing for the
 	// record and each header.
 	return 61+64+10*len(rec.Headers)+recordSize(rec) <= limit
+}
+
+// oversized reports whether rec exceeds MaxRecordBytes: it is dead-lettered
+// without running (class oversized).
+func (c *Consumer) oversized(rec *kgo.Record) bool {
+	return c.cfg.MaxRecordBytes > 0 && recordSize(rec) > c.cfg.MaxRecordBytes
 }
 
 func recordSize(rec *kgo.Record) int {

@@ -39,6 +39,14 @@ import (
 //     written to the row (ownerQueries.mark); its id is added once KeyFunc
 //     has returned it (ownerQueries.markID). If the process dies then, the
 //     mark names the record it was running, and only that one.
+//   - Most records a probe meets finished before the owner died (after its
+//     last offset commit). Without a KeyFunc, the probe asks the inbox once
+//     which of the records buffered ahead of it finished
+//     (ownerQueries.finishedAmong, up to probeLookAhead at a time), and
+//     those pass as duplicates without a mark, a transaction, or their turn
+//     in the member (worker.knownFinished): they run no user code, so no
+//     death can be theirs, and a mark on them would count for nothing (see
+//     below). The suspect and redrives are always probed one at a time.
 //   - The next start counts the death against the marked record if it did
 //     not finish: its id is not known (the process died in KeyFunc), or the
 //     inbox does not hold it (processed, or dead-lettered with no redrive
@@ -56,12 +64,14 @@ import (
 //     topic/partition/offset, as an undecodable record.
 //
 // Nothing of this runs on the hot path: one statement when a partition is
-// assigned and one when it is revoked; two per record (its mark, then its
-// id) and one at the end only while probing.
+// assigned and one when it is revoked; only while probing, one per record
+// that had not finished (its mark with its id; with a KeyFunc, and for
+// every record, two: its mark, then its id), one per look-ahead over
+// the buffered records, and one at the end.
 
 // ownerQueries are the statements on the partition_owners table, built once.
 type ownerQueries struct {
-	table, start, mark, markID, markWithID, forget string
+	table, start, mark, markID, markWithID, finishedAmong, forget string
 }
 
 func newOwnerQueries(schema string) *ownerQueries {
@@ -117,7 +127,10 @@ func newOwnerQueries(schema string) *ownerQueries {
 		// markWithID marks a record and its id at once, where working out
 		// the id runs no user code.
 		markWithID: mark + ` RETURNING ` + finished("$1", "$6"),
-		forget:     `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND owner = ANY($2)`,
+		// finishedAmong returns the ids, of those given, that finished:
+		// the probe's look-ahead, one statement for the records buffered.
+		finishedAmong: `SELECT u.id FROM unnest($2::text[]) AS u(id) WHERE ` + finished("$1", "u.id"),
+		forget:        `DELETE FROM ` + t + ` WHERE consumer_group = $1 AND owner = ANY($2)`,
 	}
 }
 
@@ -202,12 +215,15 @@ func (w *worker) startOwnership() bool {
 // among them, since the owner started records in offset order within that
 // bound), or passed the high watermark of its first fetch, whichever comes
 // first (only the latter when the dead owner's bound is unknown). Records
-// that had finished go by as duplicates and do not count. It reports false
-// when the worker was stopped first.
+// that had finished go by as duplicates and do not count: without a
+// KeyFunc, those the inbox is known to hold finished pass without a mark
+// (knownFinished, passFinished). It reports false when the worker was
+// stopped first.
 func (w *worker) loopProbe(o ownership) bool {
 	c := w.r.c
 	until := int64(-1)
 	unfinished := 0
+	ahead := lookAhead{}
 	for {
 		rec, ok := w.next()
 		if !ok {
@@ -217,7 +233,15 @@ func (w *worker) loopProbe(o ownership) bool {
 			until = w.hwm.Load() // set before the records were pushed
 		}
 		c.metrics.consumed.Add(w.ctx, 1, c.topicAttrs(rec))
-		ok, fresh := w.probe(rec, o)
+		id, known, ok := w.knownFinished(ahead, rec, o, until)
+		fresh := false
+		switch {
+		case !ok:
+		case known:
+			ok = w.passFinished(rec, id)
+		default:
+			ok, fresh = w.probe(rec, o)
+		}
 		if !ok {
 			return false
 		}
@@ -235,6 +259,119 @@ func (w *worker) loopProbe(o ownership) bool {
 			return true
 		}
 	}
+}
+
+// probeLookAhead bounds how many buffered records a probe asks the inbox
+// about in one statement.
+const probeLookAhead = 1000
+
+// lookAhead is what a probe learned, in one statement, of the records it
+// will take next: for each one it asked the inbox about (the very records
+// the worker pops, in the order it pops them), its id if it may pass
+// without a mark (knownFinished), else "".
+type lookAhead map[*kgo.Record]string
+
+// knownFinished reports whether rec may pass the probe as a duplicate
+// without a mark, a transaction or the probe slot, and by which id: the
+// consumer has no KeyFunc (its id comes from a header: no user code works
+// it out), rec is not the suspect (whose mark counts deaths, and which may
+// have to be dead-lettered), not a redrive (which runs again once an
+// operator granted it), not oversized (dead-lettered without a claim, by
+// its own path), its id decodes, and the inbox holds that id finished:
+// processed, or dead-lettered with no redrive grant pending, the predicate
+// a death is judged by.
+//
+// Passing it unmarked is safe because a mark is there to count a death
+// against the record that was running, and a finished record runs no user
+// code: its claim would find it a duplicate and skip its handler. A death
+// while it passes is none of its doing, and a mark on it would count for
+// nothing at the next start anyway. The mark left meanwhile is the last
+// probed record's, which finished before this one was taken: it counts for
+// nothing too, as it does while a record waits for the probe slot. A
+// record not known finished takes the per-record probe.
+//
+// The first time it meets a record it did not ask about, it asks about rec
+// and the records buffered after it (probeLookAhead at the most, none at or
+// past until, where the probe ends) at once. ok is false when the worker
+// was stopped first.
+func (w *worker) knownFinished(ahead lookAhead, rec *kgo.Record, o ownership, until int64) (id string, known, ok bool) {
+	if w.r.c.cfg.KeyFunc != nil {
+		return "", false, true // the id is user code's, which may be what kills the process
+	}
+	id, asked := ahead[rec]
+	if !asked {
+		if !w.lookAhead(ahead, rec, o, until) {
+			return "", false, false
+		}
+		id = ahead[rec]
+	}
+	delete(ahead, rec)
+	return id, id != "", true
+}
+
+// lookAhead fills ahead for rec and the records buffered after it, read
+// under w.mu without taking them: one statement (finishedAmong) for all.
+func (w *worker) lookAhead(ahead lookAhead, rec *kgo.Record, o ownership, until int64) bool {
+	c := w.r.c
+	clear(ahead)
+	recs := []*kgo.Record{rec}
+	w.mu.Lock()
+	for _, r := range w.queue {
+		if len(recs) == probeLookAhead || r.Offset >= until {
+			break
+		}
+		recs = append(recs, r)
+	}
+	w.mu.Unlock()
+	byID := make(map[string][]*kgo.Record, len(recs))
+	ids := make([]string, 0, len(recs))
+	for _, r := range recs {
+		ahead[r] = ""
+		if r.Offset == o.suspect || isRedrive(r) || c.oversized(r) {
+			continue
+		}
+		id, err := c.messageID(r)
+		if err != nil {
+			continue
+		}
+		if _, dup := byID[id]; !dup {
+			ids = append(ids, id)
+		}
+		byID[id] = append(byID[id], r)
+	}
+	if len(ids) == 0 {
+		return true
+	}
+	var finished []string
+	if !w.untilDone(func(ctx context.Context) error {
+		rows, err := c.cfg.Pool.Query(ctx, c.owners.finishedAmong, c.cfg.Group, ids)
+		if err != nil {
+			return err
+		}
+		finished, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		return err
+	}) {
+		return false
+	}
+	for _, id := range finished {
+		for _, r := range byID[id] {
+			ahead[r] = id
+		}
+	}
+	return true
+}
+
+// passFinished passes rec, which the inbox holds finished, as the record
+// path passes a duplicate (deliver), without its transaction: its
+// "process" span (the first attempt's, outcome duplicate), the duplicate
+// counted, the record settled (the caller marks its offset).
+func (w *worker) passFinished(rec *kgo.Record, id string) bool {
+	c := w.r.c
+	start := time.Now()
+	ctx, span := c.startProcessSpan(w.ctx, rec, id, 1)
+	c.endProcessSpan(ctx, span, rec, start, result{id: id, duplicate: true})
+	c.countDuplicate(w.ctx, rec)
+	return kafkaSource{w}.Settle(w.ctx, rec, false)
 }
 
 // probe runs one record of a probing partition: alone in the member, marked

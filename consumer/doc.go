@@ -74,7 +74,10 @@
 // running (as many of the partition's unfinished records as it could have
 // had started at once: 1, its BatchSize, or its MaxBufferedRecords with key
 // parallelism, written to its row as in_flight, migration 0008; records the
-// inbox holds as finished go by without counting; a row without it probes
+// inbox holds as finished go by as duplicates without counting, and without
+// a KeyFunc pass in bulk: one statement asks the inbox about the records
+// buffered ahead, and those it finds finished pass without a mark or a
+// transaction each, as they run no user code; a row without it probes
 // up to the records there when the probe started): one record at a time, each in its own transaction, whatever
 // the mode, and one at a time across all of the member's probing
 // partitions, each record's offset written to the row before its KeyFunc
@@ -99,9 +102,11 @@
 // CrashLoopLimit such deaths on it). Ordinary processing pays
 // nothing for this: a statement when a partition is assigned and one when
 // it is revoked. A probe does pay: after a crash, up to a batch of the
-// partition's records (a buffer with key parallelism) runs one record at a
-// time, with a mark per record (two statements) and one more when the probe
-// ends.
+// partition's unfinished records (a buffer with key parallelism) run one
+// record at a time, with a mark per record (one statement; two with a
+// KeyFunc), one statement per look-ahead of up to 1000 buffered records,
+// and one more when the probe ends; with a KeyFunc, every record that had
+// finished is marked and claimed in a transaction of its own too.
 //
 // # Batches and key parallelism
 //

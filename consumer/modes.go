@@ -147,7 +147,7 @@ func (c *Consumer) processBatch(p *batchPath, recs []*kgo.Record, srcs []Source)
 		// A record the broker delivered MaxAttempts times already is
 		// settled by the record path without running (deliveredOut).
 		spent := srcs[i].Spent()
-		alone := err != nil || isRedrive(rec) || (c.cfg.MaxRecordBytes > 0 && recordSize(rec) > c.cfg.MaxRecordBytes) ||
+		alone := err != nil || isRedrive(rec) || c.oversized(rec) ||
 			spent >= c.cfg.MaxAttempts
 		if !alone {
 			msg := newMessage(rec, id, spent+1)
