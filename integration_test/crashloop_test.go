@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,6 +18,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/oncely/oncely/consumer"
@@ -807,4 +809,186 @@ func TestProbeRunsWhatTheDeadOwnerCouldHaveRun(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A probe passes the records that had finished before the owner died (most
+// of those it meets: the dead owner finished them after its last offset
+// commit) in bulk: one statement asks the inbox about the records buffered,
+// and those it holds finished pass as duplicates, each with its span, with
+// no mark and no transaction of their own. Only the records that had not
+// finished, the suspect (a death was counted against it) and redrives are
+// marked and run one at a time. Of 210 records the dead owner finished all
+// but four; r-60, finished, is the suspect; r-120 is a redrive whose grant
+// was used up (dead-lettered, finished). With a KeyFunc (user code, which
+// may be what kills the process, works out each id) every record is
+// marked and claimed, as before.
+func TestProbePassesFinishedRecordsInBulk(t *testing.T) {
+	t.Parallel()
+	t.Run("header id", func(t *testing.T) { t.Parallel(); testProbePassesFinished(t, false) })
+	t.Run("key func", func(t *testing.T) { t.Parallel(); testProbePassesFinished(t, true) })
+}
+
+func testProbePassesFinished(t *testing.T, keyFunc bool) {
+	const total, suspect, redrive = 210, 60, 120
+	unfinished := map[int64]bool{30: true, 90: true, 150: true, 209: true}
+	e := newEnv(t, 1)
+	e.createDLQTopic(t)
+	ctx := context.Background()
+	var recs []*kgo.Record
+	for i := range total {
+		var extra []kgo.RecordHeader
+		if i == redrive {
+			extra = append(extra, kgo.RecordHeader{Key: dlq.HeaderRedrive, Value: []byte(dlq.DefaultTopic(e.topic) + "/0/0")})
+		}
+		recs = append(recs, e.rec(0, fmt.Sprint("r-", i), fmt.Sprint("r-", i), extra...))
+	}
+	e.produceRecords(t, recs...)
+	for i := range total {
+		id := fmt.Sprint("r-", i)
+		switch {
+		case unfinished[int64(i)]:
+			continue
+		case i == redrive:
+			if _, err := e.db.Pool.Exec(ctx, `INSERT INTO inbox (consumer_group, message_id, outcome) VALUES ($1, $2, 'dead_lettered')`, e.group, id); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		if _, err := e.db.Pool.Exec(ctx, `WITH claim AS (INSERT INTO inbox (consumer_group, message_id) VALUES ($1, $2))
+			INSERT INTO effects (message_id, partition, "offset", member) VALUES ($2, 0, $3, 'dead')`, e.group, id, i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The owner died holding the partition, up to 10 records in flight; an
+	// earlier death was counted against r-60, which finished since.
+	if _, err := e.db.Pool.Exec(ctx, `INSERT INTO partition_owners (consumer_group, topic, partition, owner, in_flight, deaths, suspect_offset, suspect_kills)
+		VALUES ($1, $2, 0, 'dead', 10, 2, $3, 1)`, e.group, e.topic, suspect); err != nil {
+		t.Fatal(err)
+	}
+
+	stmts := &ownerStatements{}
+	pcfg, err := pgxpool.ParseConfig(e.db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.ConnConfig.RuntimeParams["search_path"] = e.db.Schema
+	pcfg.ConnConfig.Tracer = stmts
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close) // after the consumer's cleanup
+	tl := newTel(t)
+	logs := &lockedBuffer{}
+	cfg := e.config("prober", recordEffect("prober"))
+	cfg.Pool, cfg.Logger = pool, slog.New(slog.NewTextHandler(logs, nil))
+	cfg.TracerProvider, cfg.MeterProvider = tl.tp, tl.mp
+	if keyFunc {
+		cfg.KeyFunc = func(rec *kgo.Record) (string, error) { return string(rec.Value), nil }
+	}
+	m := e.start(ctx, cfg)
+	want := fmt.Sprintf(`msg="oncely partition probe done" topic=%s partition=0 offset=%d`, e.topic, total-1)
+	eventually(t, time.Minute, "the probe to end at the last record", func() bool { return strings.Contains(logs.String(), want) })
+	eventually(t, time.Minute, "every record's offset to be committed", func() bool { return e.committedLag(t) == 0 })
+	if err := m.stop(t); err != nil {
+		t.Fatal(err)
+	}
+
+	e.assertExactlyOnce(t, total-1) // all but the redrive, dead-lettered
+	if n := e.count(t, `SELECT count(*) FROM effects WHERE member = 'prober'`); n != int64(len(unfinished)) {
+		t.Errorf("the probe ran %d handlers, want %d: the unfinished records", n, len(unfinished))
+	}
+	finished := int64(total - len(unfinished))
+	if s := m.c.Stats(); s.CrashProbes != 1 || s.Processed != int64(len(unfinished)) || s.Duplicates != finished || s.CrashLoops != 0 || s.DeadLettered != 0 {
+		t.Errorf("%d probes, %d processed, %d duplicates, %d crash loops, %d dead letters; want 1, %d, %d, 0, 0",
+			s.CrashProbes, s.Processed, s.Duplicates, s.CrashLoops, s.DeadLettered, len(unfinished), finished)
+	}
+	if got := tl.sum(t, "oncely.consumer.duplicates"); got != finished {
+		t.Errorf("duplicates metric = %d, want %d", got, finished)
+	}
+	spans := tl.ended("process " + e.topic)
+	if len(spans) != total {
+		t.Errorf("%d process spans, want one per record: %d", len(spans), total)
+	}
+	for _, s := range spans {
+		a := attrs(s)
+		off, outcome := a["messaging.kafka.offset"].AsInt64(), a["oncely.dedup.outcome"].AsString()
+		if wantOutcome := map[bool]string{true: "new", false: "duplicate"}[unfinished[off]]; outcome != wantOutcome {
+			t.Errorf("offset %d: span outcome %q, want %q", off, outcome, wantOutcome)
+		}
+	}
+
+	// Marked, and claimed in a transaction each: the unfinished records,
+	// the suspect and the redrive; no other. With a KeyFunc, every record.
+	marked, claims := stmts.counts()
+	wantMarked := []int64{30, suspect, 90, redrive, 150, 209}
+	if keyFunc {
+		wantMarked = wantMarked[:0]
+		for i := range int64(total) {
+			wantMarked = append(wantMarked, i)
+		}
+	}
+	if !slices.Equal(marked, wantMarked) {
+		t.Errorf("records marked in partition_owners: %v, want %v", marked, wantMarked)
+	}
+	if claims < len(wantMarked) || claims > len(wantMarked)+2 {
+		t.Errorf("%d transactions claimed inbox ids, want %d: one per record marked (and a couple of retries at most)", claims, len(wantMarked))
+	}
+	if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+		t.Errorf("%d partitions still marked as owned after a clean shutdown: %s", n, e.ownerRows(t))
+	}
+}
+
+// ownerStatements counts, through pgx's tracer, the records a consumer
+// marks in partition_owners (by offset, in order) and the transactions it
+// begins with an inbox claim.
+type ownerStatements struct {
+	mu     sync.Mutex
+	marked []int64
+	claims int
+}
+
+func (s *ownerStatements) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	// A mark sets running_offset; with a KeyFunc a second statement adds
+	// the id (SET running_id), which is not a second mark.
+	if !strings.HasPrefix(strings.TrimSpace(d.SQL), "UPDATE") || !strings.Contains(d.SQL, "partition_owners") ||
+		!strings.Contains(d.SQL, "SET running_offset") || len(d.Args) < 5 {
+		return ctx
+	}
+	var off *int64
+	switch v := d.Args[4].(type) {
+	case int64:
+		off = &v
+	case *int64:
+		off = v
+	}
+	if off != nil { // nil: the probe's end clears the mark
+		s.mu.Lock()
+		s.marked = append(s.marked, *off)
+		s.mu.Unlock()
+	}
+	return ctx
+}
+
+func (s *ownerStatements) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (s *ownerStatements) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	for _, q := range d.Batch.QueuedQueries {
+		if strings.Contains(q.SQL, "INSERT INTO") && strings.Contains(q.SQL, `"inbox"`) {
+			s.mu.Lock()
+			s.claims++
+			s.mu.Unlock()
+			break
+		}
+	}
+	return ctx
+}
+
+func (s *ownerStatements) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (s *ownerStatements) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+func (s *ownerStatements) counts() (marked []int64, claims int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.marked), s.claims
 }
