@@ -1404,7 +1404,7 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 				redrive, err = c.inbox.RedriveGranted(w.ctx, c.cfg.Pool, c.cfg.Group, id, ref)
 			}
 			if err == nil && (o == dedup.Processed || !redrive) {
-				c.duplicates.Add(1)
+				c.countDuplicate(w.ctx, rec)
 				return w.hook(w.r.hooks.AfterCommit, rec)
 			}
 			if err == nil || errors.Is(err, dedup.ErrNotClaimed) {
@@ -1422,7 +1422,7 @@ func (w *worker) deadLetter(rec *kgo.Record, id string, f failure) bool {
 					"oncely inbox lookup of an oversized record failed", "topic", rec.Topic,
 					"partition", rec.Partition, "offset", rec.Offset, "message_id", id, "err", err)
 				if o == dedup.DeadLettered {
-					c.duplicates.Add(1)
+					c.countDuplicate(w.ctx, rec)
 					return w.hook(w.r.hooks.AfterCommit, rec)
 				}
 				redrive = false
