@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -120,7 +121,9 @@ func runContended(ctx context.Context, e *env, modes []string) error {
 			continue
 		}
 		if m == cmCeiling {
-			order = append(order, key{m, 1}, key{m, 4}) // connections, not members
+			for _, n := range ceilingConns(e.opts.conns, counts) { // connections, not members
+				order = append(order, key{m, n})
+			}
 			continue
 		}
 		for _, n := range counts {
@@ -608,6 +611,18 @@ func (e *env) newOrderProducer(topic string, gen orderload.Gen) (*producer, erro
 		return &kgo.Record{Topic: topic, Partition: int32(i % parts), Key: []byte(o.OrderID), Value: v,
 			Headers: []kgo.RecordHeader{{Key: consumer.DefaultMessageIDHeader, Value: []byte(orderload.MessageID(i))}}}, nil
 	})
+}
+
+// ceilingConns are the connection counts the ceiling runs with: 1, 4 (what
+// the other modes' ratios are to), and as many as the largest group's
+// members hold together (conns each), to show what that many concurrent
+// transactions cost Postgres itself on this machine.
+func ceilingConns(conns int, counts []int) []int {
+	out := []int{1, 4}
+	if most := conns * slices.Max(counts); most > 4 {
+		out = append(out, most)
+	}
+	return out
 }
 
 // runContendedCeiling is the set-based raw-SQL ceiling of the workload, no
