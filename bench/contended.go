@@ -62,6 +62,10 @@ type contendedOptions struct {
 	keyParallelism        int
 	timeout               time.Duration // limit for one phase of one mode (and for the group to settle)
 	seed                  uint64
+	// splitConns gives each member of an n-member group 1/n of a
+	// mode's connections (at least one): the group holds what one
+	// member holds, rather than n times as much.
+	splitConns bool
 }
 
 func (c contendedOptions) memberCounts() ([]int, error) {
@@ -107,6 +111,9 @@ func runContended(ctx context.Context, e *env, modes []string) error {
 		"batch-size=%d key-parallelism=%d members=%s conns=%d per member (own pool each) latency=%d@%.0f/s rounds=%d timeout=%s\n",
 		co.partitions, co.customers, co.n, co.batchN, co.batchRecsN, co.batchSize, co.keyParallelism, co.members,
 		e.opts.conns, e.opts.latencyRecords, e.opts.latencyRate, e.opts.rounds, co.timeout)
+	if co.splitConns {
+		fmt.Println("-split-conns: each member of an n-member group has 1/n of those connections (at least 1), and as many transactions in flight")
+	}
 	fmt.Println("ConflictKeys (the customer id) in modes oncely, batch-records, perkey and batch-keys; not in hand, ceiling, the -nokeys modes and batch (the example's set-based handler writes shared rows in customer order)")
 	fmt.Printf("load average at start: %s\n\n", runenv.LoadAverage())
 
@@ -441,7 +448,11 @@ func sourceOf(msg *consumer.Message) orderload.Source {
 func (e *env) runContendedKafka(ctx context.Context, s cspec, members int) (res cresult) {
 	co := e.opts.contended
 	res = cresult{result: result{mode: s.name, records: s.n}, members: members, contention: -1}
-	c, err := e.newContendedDB(ctx, s.name, members, s.conns)
+	conns := s.conns
+	if co.splitConns {
+		conns = max(1, conns/int32(members))
+	}
+	c, err := e.newContendedDB(ctx, s.name, members, conns)
 	if err != nil {
 		res.err = err
 		return res
