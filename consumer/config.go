@@ -288,10 +288,11 @@ type Config struct {
 	// partitions it asks for has new records. A partition whose buffer
 	// was full resumes fetching only when the fetch in flight returns, so
 	// while the member's other partitions are caught up, a backlogged one
-	// waits up to this long each time its buffer drains: at 500ms, a
-	// batch consumer drained a backlog beside idle partitions at two
-	// thirds of the rate it reached with 100ms. A member with no backlog
-	// sends a fetch per broker this often. Default 100ms.
+	// waits up to this long each time its buffer drains: at 500ms, batch
+	// mode on the uncontended benchmark, whose partitions finish their
+	// backlogs one after another, made three quarters of its rate at
+	// 100ms (docs/BENCHMARKS.md). A member with no backlog sends a fetch
+	// per broker this often. Default 100ms.
 	FetchMaxWait time.Duration
 
 	// TracerProvider and MeterProvider instrument the consumer (one
