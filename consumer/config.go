@@ -130,6 +130,21 @@ type Config struct {
 	// and keys; records wait for a slot rather than for a pool connection.
 	// Default: the Pool's MaxConns.
 	Concurrency int
+	// GroupConcurrency bounds the transactions in flight across the whole
+	// group instead: each member runs its share, by the partitions of
+	// Topics it holds (GroupConcurrency x held / all, rounded down, at least
+	// one, at most Concurrency), and takes a new share at every rebalance.
+	// So the group keeps to it however many members it has, as long as it
+	// has no more members than GroupConcurrency, without reconfiguring
+	// members as they come and go. It is for effects that contend: batches
+	// that write the same hot rows serve best at the few transactions the
+	// database runs them fastest at (two to four on the contended benchmark),
+	// and more members, each with a pool of its own, would otherwise run
+	// more of them and lose throughput to lock waits. Transactions that
+	// seldom meet (a transaction per record, rows spread wide) need one per
+	// partition at least: set it to the partition count, or leave it unset.
+	// Default 0: each member runs up to Concurrency, whatever the group.
+	GroupConcurrency int
 
 	// Schema holds oncely's tables (see package migrations). Default "oncely".
 	Schema string
@@ -460,6 +475,9 @@ func (cfg *Config) validate() error {
 		if n.v < 1 {
 			return invalid(n.field, "must be at least 1, got %d", n.v)
 		}
+	}
+	if cfg.GroupConcurrency < 0 {
+		return invalid("GroupConcurrency", "must not be negative, got %d", cfg.GroupConcurrency)
 	}
 	if cfg.BatchSize > 1 && cfg.KeyParallelism > 1 {
 		return invalid("KeyParallelism", "cannot be combined with BatchSize above 1 (got %d and %d): batches suit cheap handlers, key parallelism slow ones",

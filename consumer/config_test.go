@@ -51,6 +51,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{"negative attempts", func(c *consumer.Config) { c.MaxAttempts = -1 }, "MaxAttempts"},
 		{"negative timeout", func(c *consumer.Config) { c.SessionTimeout = -time.Second }, "SessionTimeout"},
 		{"negative fetch wait", func(c *consumer.Config) { c.FetchMaxWait = -time.Millisecond }, "FetchMaxWait"},
+		{"negative group concurrency", func(c *consumer.Config) { c.GroupConcurrency = -1 }, "GroupConcurrency"},
 		{"short dead-letter timeout", func(c *consumer.Config) { c.DeadLetterTimeout = 100 * time.Millisecond }, "DeadLetterTimeout"},
 		{"dead-letter topic is the source", func(c *consumer.Config) { c.DeadLetterTopic = func(t string) string { return t } }, "DeadLetterTopic"},
 		{"negative record limit", func(c *consumer.Config) { c.MaxRecordBytes = -1 }, "MaxRecordBytes"},

@@ -72,6 +72,7 @@ type Consumer struct {
 	spanAttrs sync.Map // topic -> trace.SpanStartEventOption
 
 	processed, duplicates, retries, commits, held atomic.Int64
+	limit                                         atomic.Int64 // Stats.Concurrency
 	deadLettered, deadLetterErrs, batches         atomic.Int64
 	contention, crashProbes, crashLoops           atomic.Int64
 	serialUntil                                   atomic.Int64 // unix ns: see lostToContention
@@ -111,7 +112,7 @@ func New(cfg Config) (*Consumer, error) {
 		owners = newOwnerQueries(cfg.Schema)
 	}
 	outage := ratelog.New(cfg.Logger, cfg.LogInterval)
-	return &Consumer{
+	c := &Consumer{
 		system:  systemAttr(&cfg),
 		owners:  owners,
 		handler: handler,
@@ -123,7 +124,9 @@ func New(cfg Config) (*Consumer, error) {
 		metrics: metrics,
 		outage:  outage,
 		waker:   newWaker(cfg.Pool, outage),
-	}, nil
+	}
+	c.limit.Store(int64(cfg.Concurrency))
+	return c, nil
 }
 
 // Stats returns the consumer's counters.
@@ -137,6 +140,7 @@ func (c *Consumer) Stats() Stats {
 		OffsetCommits:  c.commits.Load(),
 		Batches:        c.batches.Load(),
 		PartitionsHeld: c.held.Load(),
+		Concurrency:    c.limit.Load(),
 		Contention:     c.contention.Load(),
 		CrashProbes:    c.crashProbes.Load(),
 		CrashLoops:     c.crashLoops.Load(),
@@ -195,6 +199,9 @@ type run struct {
 
 	// slots bounds the transactions in flight (Config.Concurrency).
 	slots chan struct{}
+	// reshare asks shareLoop for a new share of Config.GroupConcurrency;
+	// nil without one.
+	reshare chan struct{}
 	// probeSlot lets one probing partition's record run at a time, so that
 	// a death is put down to the one record that was running.
 	probeSlot chan struct{}
@@ -302,6 +309,24 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return err // nil when asked to stop while starting
 	}
 
+	shareDone := make(chan struct{})
+	if c.cfg.GroupConcurrency > 0 {
+		// Until the first assignment, the member's share is what it would
+		// be if it held every partition.
+		share := min(c.cfg.GroupConcurrency, c.cfg.Concurrency)
+		for range c.cfg.Concurrency - share {
+			r.slots <- struct{}{}
+		}
+		c.limit.Store(int64(share))
+		r.reshare = make(chan struct{}, 1)
+		go func() {
+			defer close(shareDone)
+			r.shareLoop(pollCtx, c.cfg.Concurrency-share)
+		}()
+	} else {
+		close(shareDone)
+	}
+
 	committerDone := make(chan struct{})
 	committerCtx, stopCommitter := context.WithCancel(workCtx)
 	go func() {
@@ -338,6 +363,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 		cl.AllowRebalance()
 	}
 	c.polling.Store(false)
+	cancelPoll()
+	<-shareDone // its slots given back: the drain has all of Concurrency
 
 	// The periodic committer stops first, so that no commit of its own
 	// (waiting on a rebalance, say) holds up the final one.
@@ -468,6 +495,7 @@ func (r *run) worker(key tp) *worker {
 		w = r.newWorker(key)
 		r.workers[key] = w
 		r.c.held.Add(1)
+		r.resize()
 		r.wg.Add(1)
 		go func() {
 			defer r.wg.Done()
@@ -544,6 +572,7 @@ func (r *run) remove(ws []*worker) {
 		if r.workers[w.tp] == w {
 			delete(r.workers, w.tp)
 			r.c.held.Add(-1)
+			r.resize()
 		}
 		w.leave()
 	}

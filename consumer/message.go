@@ -91,6 +91,9 @@ type Stats struct {
 	OffsetCommits  int64 // successful offset commit requests
 	Batches        int64 // batch transactions committed (batch mode)
 	PartitionsHeld int64 // partitions assigned to the member right now, each with a live worker
+	// Concurrency is how many transactions the member runs at once right
+	// now: Config.Concurrency, or its share of Config.GroupConcurrency.
+	Concurrency int64
 	// Contention counts records whose transaction lost to another one
 	// (deadlock, serialization failure, lock timeout) and ran again; they
 	// spend no attempt and are never dead-lettered for it.

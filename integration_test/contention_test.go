@@ -3,6 +3,7 @@ package integration_test
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"strconv"
 	"sync"
@@ -152,21 +153,10 @@ func contendedMembers(t *testing.T, withKeys bool) {
 
 	// deadlock_timeout of 100ms: Postgres finds the cycles sooner than
 	// its default second, so the run without keys stays short.
-	pcfg, err := pgxpool.ParseConfig(e.db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pcfg.ConnConfig.RuntimeParams["search_path"] = e.db.Schema
-	pcfg.ConnConfig.RuntimeParams["deadlock_timeout"] = "100ms"
-	pcfg.MaxConns = 4
 	deadlocksBefore := deadlocks(t, e)
 	var members []*member
 	for k := range 3 {
-		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(pool.Close)
+		pool := e.memberPool(t, 4, map[string]string{"deadlock_timeout": "100ms"})
 		name := fmt.Sprintf("m%d", k)
 		effect := recordEffect(name)
 		cfg := e.config(name, func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
@@ -220,6 +210,26 @@ func contendedMembers(t *testing.T, withKeys bool) {
 	t.Logf("conflict keys %v: %d records in %s (%.0f/s) by 3 members, %d batches; contention %d, database deadlocks %d, retries %d",
 		withKeys, records, elapsed.Round(time.Millisecond), float64(records)/elapsed.Seconds(), total.Batches,
 		total.Contention, deadlocks(t, e)-deadlocksBefore, total.Retries)
+}
+
+// memberPool is a pool of the env's database and schema for one member of
+// a group, as each process of a group has one, with maxConns connections
+// and the given session parameters.
+func (e *env) memberPool(t *testing.T, maxConns int32, params map[string]string) *pgxpool.Pool {
+	t.Helper()
+	pcfg, err := pgxpool.ParseConfig(e.db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.ConnConfig.RuntimeParams["search_path"] = e.db.Schema
+	maps.Copy(pcfg.ConnConfig.RuntimeParams, params)
+	pcfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 // deadlocks is the database's count of deadlocks Postgres broke, as of the

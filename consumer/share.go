@@ -1,0 +1,115 @@
+package consumer
+
+import (
+	"context"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+)
+
+// groupShare is the member's share of Config.GroupConcurrency when it holds
+// held of the all partitions of its topics: rounded down, so that members
+// holding whole shares never exceed the group's bound together, but at least
+// one (a member with partitions must make progress) and at most
+// Config.Concurrency.
+func groupShare(group, concurrency, held, all int) int {
+	if all <= 0 || held > all {
+		return min(group, concurrency) // not known: as if it held them all
+	}
+	return max(1, min(concurrency, group*held/all))
+}
+
+// shareTimeout bounds the metadata request that counts the topics'
+// partitions; past it the member keeps the share it had.
+const shareTimeout = 5 * time.Second
+
+// resize asks the share loop to take the member's share anew, after the
+// partitions it holds changed. It never blocks.
+func (r *run) resize() {
+	if r.reshare == nil {
+		return
+	}
+	select {
+	case r.reshare <- struct{}{}:
+	default: // one is pending: it will see this change too
+	}
+}
+
+// shareLoop keeps the member's transactions in flight to its share of
+// Config.GroupConcurrency. It holds slots of its own out of the Concurrency
+// slots, reserved of them to begin with (taking one waits, like any
+// transaction, for one to be free), and gives them back when the share
+// grows; on the way out it gives all of them back, so that the drain of a
+// stopping member is not held up.
+func (r *run) shareLoop(ctx context.Context, reserved int) {
+	c := r.c
+	defer func() {
+		for ; reserved > 0; reserved-- {
+			<-r.slots
+		}
+		c.limit.Store(int64(c.cfg.Concurrency))
+	}()
+	all := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.reshare:
+		}
+		if n, err := r.partitionCount(ctx); err == nil {
+			all = n
+		} else if ctx.Err() == nil {
+			c.cfg.Logger.Warn("oncely cannot count the topics' partitions; keeping the member's share",
+				"group", c.cfg.Group, "err", err)
+		}
+		held := int(c.held.Load())
+		share := groupShare(c.cfg.GroupConcurrency, c.cfg.Concurrency, held, all)
+		if !r.reserve(ctx, &reserved, c.cfg.Concurrency-share) {
+			continue // the share moved on meanwhile, or the run ends
+		}
+		if int64(share) != c.limit.Swap(int64(share)) {
+			c.cfg.Logger.Info("oncely member's share of the group's concurrency", "group", c.cfg.Group,
+				"group_concurrency", c.cfg.GroupConcurrency, "partitions_held", held, "partitions", all, "concurrency", share)
+		}
+	}
+}
+
+// reserve takes slots out of r.slots, or gives its own back, until it holds
+// want of them. It gives up (false) when the share moves on before it is
+// done (asking shareLoop again) or ctx ends.
+func (r *run) reserve(ctx context.Context, reserved *int, want int) bool {
+	for *reserved > want {
+		<-r.slots // one of ours: the channel holds at least *reserved
+		*reserved--
+	}
+	for *reserved < want {
+		select {
+		case r.slots <- struct{}{}:
+			*reserved++
+		case <-r.reshare:
+			r.resize()
+			return false
+		case <-ctx.Done():
+			return false
+		}
+	}
+	return true
+}
+
+// partitionCount counts the partitions of the consumed topics.
+func (r *run) partitionCount(ctx context.Context) (int, error) {
+	mctx, cancel := context.WithTimeout(ctx, shareTimeout)
+	defer cancel()
+	md, err := kadm.NewClient(r.cl).Metadata(mctx, r.c.cfg.Topics...)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, t := range md.Topics {
+		if t.Err != nil {
+			return 0, t.Err
+		}
+		n += len(t.Partitions)
+	}
+	return n, nil
+}
