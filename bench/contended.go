@@ -66,6 +66,31 @@ type contendedOptions struct {
 	// mode's connections (at least one): the group holds what one
 	// member holds, rather than n times as much.
 	splitConns bool
+	// groupConcurrency is Config.GroupConcurrency per oncely mode
+	// (-group-concurrency).
+	groupConcurrency string
+}
+
+// groupConcurrencyOf returns the -group-concurrency of mode, or 0.
+func (c contendedOptions) groupConcurrencyOf(mode string) (int, error) {
+	if c.groupConcurrency == "" {
+		return 0, nil
+	}
+	g := 0
+	for _, f := range strings.Split(c.groupConcurrency, ",") {
+		m, v, paired := strings.Cut(strings.TrimSpace(f), "=")
+		if !paired {
+			m, v = mode, m
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 || !contains(allContendedModes, m) {
+			return 0, fmt.Errorf("invalid -group-concurrency %q: want mode=N pairs or one N", c.groupConcurrency)
+		}
+		if m == mode {
+			g = n
+		}
+	}
+	return g, nil
 }
 
 func (c contendedOptions) memberCounts() ([]int, error) {
@@ -113,6 +138,12 @@ func runContended(ctx context.Context, e *env, modes []string) error {
 		e.opts.conns, e.opts.latencyRecords, e.opts.latencyRate, e.opts.rounds, co.timeout)
 	if co.splitConns {
 		fmt.Println("-split-conns: each member of an n-member group has 1/n of those connections (at least 1), and as many transactions in flight")
+	}
+	if co.groupConcurrency != "" {
+		if _, err := co.groupConcurrencyOf(cmOncely); err != nil {
+			return err
+		}
+		fmt.Printf("-group-concurrency %s: Config.GroupConcurrency of those modes; each member runs its share by the partitions it holds\n", co.groupConcurrency)
 	}
 	fmt.Println("ConflictKeys (the customer id) in modes oncely, batch-records, perkey and batch-keys; not in hand, ceiling, the -nokeys modes and batch (the example's set-based handler writes shared rows in customer order)")
 	fmt.Printf("load average at start: %s\n\n", runenv.LoadAverage())
@@ -356,6 +387,7 @@ func (e *env) runContendedMode(ctx context.Context, mode string, members int) cr
 				if tune != nil {
 					tune(&cfg, c)
 				}
+				cfg.GroupConcurrency, _ = co.groupConcurrencyOf(mode) // checked by runContended
 				cons, err := consumer.New(cfg)
 				if err != nil {
 					return err

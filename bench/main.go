@@ -154,6 +154,7 @@ func main() {
 	flag.IntVar(&o.contended.keyParallelism, "contended-key-parallelism", 8, "-workload contended: KeyParallelism of the perkey modes (their pools get at least this many connections)")
 	flag.DurationVar(&o.contended.timeout, "contended-timeout", 30*time.Second, "-workload contended: limit for one phase of one mode; a mode that does not finish in time fails")
 	flag.BoolVar(&o.contended.splitConns, "split-conns", false, "-workload contended: each member of an n-member group gets 1/n of a mode's connections (at least 1), so that the group holds what one member holds")
+	flag.StringVar(&o.contended.groupConcurrency, "group-concurrency", "", "-workload contended: Config.GroupConcurrency of the oncely modes, as mode=N pairs, comma-separated (e.g. batch=4,perkey=6); a bare N sets every oncely mode")
 	flag.Uint64Var(&o.contended.seed, "seed", 1, "-workload contended: seed of the orders' customers")
 	flag.DurationVar(&o.timeout, "timeout", 5*time.Minute, "limit for one phase of one mode")
 	flag.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file")
