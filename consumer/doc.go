@@ -132,7 +132,7 @@
 // keyed by order id, each adding to its customer's balance. Then the
 // transactions of different partitions, and of different members, write the
 // same rows, and two batches that lock them in differing orders deadlock.
-// Three things keep that from collapsing throughput:
+// Four things keep that from collapsing throughput:
 //
 //   - Config.ConflictKeys names the rows a message writes ("customer:42").
 //     Every transaction locks its records' keys (pg_advisory_xact_lock of a
@@ -155,6 +155,12 @@
 //     seconds. Members join the window as they lose in turn. Throughput then
 //     is that of one transaction at a time, without deadlocks; ConflictKeys
 //     lets transactions of unrelated rows run side by side instead.
+//   - Config.GroupConcurrency bounds the transactions in flight of the
+//     whole group: each member runs its share, by the partitions it holds,
+//     and takes a new one at every rebalance. Batches that write the same
+//     hot rows commit one after another, and each member with a pool of its
+//     own would otherwise add transactions that only wait; the bound keeps
+//     the group at what serves the rows best, however many members it has.
 //
 // A batch's savepoints cost no round trip of their own: each travels in front
 // of its handler's first statement (a handler's statements go through a

@@ -49,7 +49,7 @@ func (r *run) shareLoop(ctx context.Context, reserved int) {
 		}
 		c.limit.Store(int64(c.cfg.Concurrency))
 	}()
-	all := 0
+	all, told := 0, false
 	for {
 		select {
 		case <-ctx.Done():
@@ -67,7 +67,8 @@ func (r *run) shareLoop(ctx context.Context, reserved int) {
 		if !r.reserve(ctx, &reserved, c.cfg.Concurrency-share) {
 			continue // the share moved on meanwhile, or the run ends
 		}
-		if int64(share) != c.limit.Swap(int64(share)) {
+		if int64(share) != c.limit.Swap(int64(share)) || !told {
+			told = true
 			c.cfg.Logger.Info("oncely member's share of the group's concurrency", "group", c.cfg.Group,
 				"group_concurrency", c.cfg.GroupConcurrency, "partitions_held", held, "partitions", all, "concurrency", share)
 		}

@@ -162,6 +162,7 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	fs.StringVar(&cfg.HTTPAddr, "http-addr", envOr(getenv, "HTTP_ADDR", "127.0.0.1:8080"), "address of GET /healthz, GET /metrics, POST /orders and POST /webhooks/orders; port 0 picks one (env HTTP_ADDR)")
 	batchSize := fs.String("batch-size", envOr(getenv, "BATCH_SIZE", "100"), "records of a partition per transaction, one inbox claim for all (env BATCH_SIZE); 1: a transaction per record; with --key-parallelism above 1 the default is 1")
 	keyPar := fs.String("key-parallelism", envOr(getenv, "KEY_PARALLELISM", "1"), "records of one partition with different keys processed at once, each key's records in order (env KEY_PARALLELISM); for slow handlers, instead of batches")
+	groupConc := fs.String("group-concurrency", envOr(getenv, "GROUP_CONCURRENCY", "0"), "transactions in flight across all instances of the group; each instance runs its share, by the partitions it holds, taken anew at every rebalance (env GROUP_CONCURRENCY); 0: each instance runs up to its pool's size, whatever the group")
 	handler := fs.String("handler", envOr(getenv, "HANDLER", "batch"), "with --batch-size above 1: batch, the set-based batch handler (each statement covers the whole batch), or record, the per-record handler under a savepoint per order (env HANDLER)")
 	session := fs.String("session-timeout", envOr(getenv, "SESSION_TIMEOUT", "10s"), "group session timeout, a Go duration (env SESSION_TIMEOUT)")
 	rebalance := fs.String("rebalance-timeout", envOr(getenv, "REBALANCE_TIMEOUT", "30s"), "how long a rebalance waits for the group's members to rejoin, a Go duration (env REBALANCE_TIMEOUT)")
@@ -215,6 +216,12 @@ func parseRunFlags(args []string, getenv func(string) string, stderr io.Writer) 
 	}
 	if cfg.BatchSize > 1 && cfg.KeyParallelism > 1 {
 		return cfg, invalidFlag("--batch-size (BATCH_SIZE)", fmt.Errorf("%d cannot be combined with --key-parallelism %d: batches suit cheap handlers, key parallelism slow ones", cfg.BatchSize, cfg.KeyParallelism))
+	}
+	if cfg.GroupConcurrency, err = strconv.Atoi(*groupConc); err != nil || cfg.GroupConcurrency < 0 {
+		return cfg, invalidFlag("--group-concurrency (GROUP_CONCURRENCY)", fmt.Errorf("want a whole number, 0 or more, got %q", *groupConc))
+	}
+	if cfg.Source != sourceKafka && cfg.GroupConcurrency > 0 {
+		return cfg, invalidFlag("--group-concurrency (GROUP_CONCURRENCY)", errors.New("is Kafka's: it shares the bound by the partitions each instance holds"))
 	}
 	switch *handler {
 	case "batch":

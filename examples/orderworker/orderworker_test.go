@@ -927,6 +927,8 @@ func TestFlags(t *testing.T) {
 		{env: map[string]string{"SESSION_TIMEOUT": "-1s"}, want: "--session-timeout (SESSION_TIMEOUT)"},
 		{args: []string{"run", "--batch-size", "0"}, want: "--batch-size (BATCH_SIZE)"},
 		{env: map[string]string{"KEY_PARALLELISM": "many"}, want: "--key-parallelism (KEY_PARALLELISM)"},
+		{env: map[string]string{"GROUP_CONCURRENCY": "-2"}, want: "--group-concurrency (GROUP_CONCURRENCY)"},
+		{args: []string{"--source", "rabbitmq", "--group-concurrency", "4"}, want: "--group-concurrency (GROUP_CONCURRENCY)"},
 		{args: []string{"run", "--batch-size", "50", "--key-parallelism", "8"}, want: "cannot be combined with --key-parallelism 8"},
 		{args: []string{"--rebalance-timeout", "0s"}, want: "--rebalance-timeout (REBALANCE_TIMEOUT)"},
 		{env: map[string]string{"REBALANCE_TIMEOUT": "later"}, want: "--rebalance-timeout (REBALANCE_TIMEOUT)"},

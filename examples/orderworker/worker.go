@@ -390,6 +390,7 @@ type workerConfig struct {
 	Schema           string
 	BatchSize        int // records per transaction (consumer.Config.BatchSize)
 	KeyParallelism   int // orders of a partition processed at once
+	GroupConcurrency int // consumer.Config.GroupConcurrency (Kafka)
 	// RecordHandler runs the per-record handler (apply) in batches too,
 	// each order under a savepoint, instead of the set-based batch handler.
 	RecordHandler bool
@@ -519,7 +520,8 @@ func runWorker(ctx context.Context, cfg workerConfig, stdout io.Writer, log *slo
 		ccfg := consumer.Config{
 			Topics: []string{cfg.Topic}, Group: cfg.Group,
 			BatchSize: cfg.BatchSize, KeyParallelism: cfg.KeyParallelism, InstanceID: cfg.InstanceID,
-			SessionTimeout: cfg.SessionTimeout, RebalanceTimeout: cfg.RebalanceTimeout,
+			GroupConcurrency: cfg.GroupConcurrency,
+			SessionTimeout:   cfg.SessionTimeout, RebalanceTimeout: cfg.RebalanceTimeout,
 		}
 		if cfg.BatchSize > 1 && !cfg.RecordHandler {
 			// No conflict keys: applyBatch writes the shared rows in
