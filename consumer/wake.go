@@ -16,7 +16,15 @@ const wakeTimeout = 2 * time.Second
 
 // wakeWait bounds waker.wait: the statement on its way, the one with the
 // wake-ups owed meanwhile, and a margin for their cancellation.
-const wakeWait = 2*wakeTimeout + time.Second
+const wakeWait = 2*(wakeTimeout+wakeLinger) + time.Second
+
+// wakeLinger is the least time between the starts of two wake-up
+// statements; the wake-ups owed meanwhile go together in the next. Under
+// load, transactions commit faster than statements return, and without it
+// the sender would send one statement per round trip, each a transaction
+// of its own on the database. The first wake-up after a quiet spell goes at
+// once.
+const wakeLinger = 5 * time.Millisecond
 
 // waker sends the outbox wake-ups (NOTIFY) that the record path's committed
 // transactions owe, after their commits and outside them: a NOTIFY inside a
@@ -25,12 +33,12 @@ const wakeWait = 2*wakeTimeout + time.Second
 // turn. It serves every broker alike: Run's Kafka member, and the adapters
 // that drive the record path through Deliver and DeliverBatch.
 //
-// One sender goroutine sends them, one statement at a time; the wake-ups
-// owed while one is on its way go together in the next. The sender starts
+// One sender goroutine sends them, one statement at a time and at most one
+// per wakeLinger; the wake-ups owed meanwhile go together in the next. The sender starts
 // when a wake-up is owed and none runs, and it exits once nothing is owed,
 // so no goroutine outlives the work: an idle Consumer has none, and no
-// start or stop is needed. A relay therefore wakes at most one statement's
-// time (wakeTimeout at worst) after the commit, and polls anyway
+// start or stop is needed. A relay therefore wakes at most wakeLinger and one
+// statement's time (wakeTimeout at worst) after the commit, and polls anyway
 // (outbox.RelayConfig.PollInterval) should a wake-up be lost: a failed
 // statement is only logged, at most once per Config.LogInterval. Each
 // statement takes a pool connection for its own short transaction, which a
@@ -78,10 +86,14 @@ func (w *waker) owe(wakes *pending.Wakes) {
 	go w.send(w.idle)
 }
 
-// send sends what is owed, one statement at a time, until nothing is; then
-// it closes idle and exits.
+// send sends what is owed, one statement at a time and at most one per
+// wakeLinger, until nothing is; then it closes idle and exits.
 func (w *waker) send(idle chan struct{}) {
+	var last time.Time
 	for {
+		if wait := wakeLinger - time.Since(last); !last.IsZero() && wait > 0 {
+			time.Sleep(wait)
+		}
 		w.mu.Lock()
 		chs := w.owed.Channels()
 		w.owed = pending.Wakes{}
@@ -92,6 +104,7 @@ func (w *waker) send(idle chan struct{}) {
 			return
 		}
 		w.mu.Unlock()
+		last = time.Now()
 		ctx, cancel := context.WithTimeout(context.Background(), wakeTimeout)
 		if err := w.notify(ctx, chs); err != nil {
 			w.outage.Warn(ctx, "oncely consumer: waking the outbox relays failed; they find the rows at their next poll", "err", err)
