@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/oncely/oncely/internal/pending"
 	"github.com/oncely/oncely/internal/ratelog"
@@ -18,8 +19,9 @@ import (
 type fakeNotify struct {
 	inFlight, maxInFlight, statements atomic.Int64
 
-	mu   sync.Mutex
-	sent map[string]int // channel -> statements that carried it
+	mu     sync.Mutex
+	sent   map[string]int // channel -> statements that carried it
+	starts []time.Time    // each statement's start
 }
 
 func (f *fakeNotify) notify(_ context.Context, channels []string) error {
@@ -32,6 +34,9 @@ func (f *fakeNotify) notify(_ context.Context, channels []string) error {
 		}
 	}
 	f.statements.Add(1)
+	f.mu.Lock()
+	f.starts = append(f.starts, time.Now())
+	f.mu.Unlock()
 	for range 10 { // a statement's round trip, during which more is owed
 		runtime.Gosched()
 	}
@@ -52,8 +57,9 @@ func (f *fakeNotify) wasSent(ch string) bool {
 // Many committed transactions owe wake-ups at once, each then waiting for
 // the waker as a stopping owner does: every channel is sent, by one
 // statement at a time, each waiter finds its own wake-up sent when its wait
-// returns, the wake-ups owed during a statement share the next one, and the
-// sender exits once nothing is owed.
+// returns, the wake-ups owed during a statement and the pause after it
+// (wakeLinger) share the next one, and the sender exits once nothing is
+// owed.
 func TestWakerConcurrentOwesAllSentOneSenderAtATime(t *testing.T) {
 	f := &fakeNotify{sent: map[string]int{}}
 	w := &waker{notify: f.notify, outage: ratelog.New(slog.New(slog.DiscardHandler), 0)}
@@ -92,6 +98,11 @@ func TestWakerConcurrentOwesAllSentOneSenderAtATime(t *testing.T) {
 	}
 	if n := f.statements.Load(); n > owners*rounds {
 		t.Errorf("%d statements for %d owed wake-ups", n, owners*rounds)
+	}
+	for i := 1; i < len(f.starts); i++ { // the sender's own pause: a lower bound, whatever the scheduler does
+		if gap := f.starts[i].Sub(f.starts[i-1]); gap < wakeLinger {
+			t.Errorf("statements %d and %d started %s apart, less than wakeLinger (%s)", i-1, i, gap, wakeLinger)
+		}
 	}
 	if f.sent["shared"] != int(f.statements.Load()) {
 		t.Errorf("the channel owed by every transaction went out in %d of %d statements", f.sent["shared"], f.statements.Load())
