@@ -66,13 +66,14 @@ func TestBreakerFlappingEndpoint(t *testing.T) {
 	t.Logf("G: %d deliveries in %s while F's breaker was open (%.0f/s)", ng, gTime.Round(time.Millisecond), float64(ng)/gTime.Seconds())
 	pgtest.WaitFor(t, e.ctx, "three failed probes to F", func() bool { return f.count()-probeStart >= 3 })
 	// While open, F saw probes only: one at a time, each at least a
-	// cool-down after the previous one failed.
+	// cool-down after the previous one failed (on the database's clock:
+	// request.since).
 	probes := f.requests()[probeStart:]
 	if _, peak := f.concurrency(); peak > 1 {
 		t.Errorf("F had %d requests in flight at once while its breaker was open; want probes one at a time", peak)
 	}
 	for i := 1; i < len(probes); i++ {
-		if gap := probes[i].at.Sub(probes[i-1].at); gap < coolDown-5*time.Millisecond {
+		if gap := probes[i].since(probes[i-1]); gap < coolDown-5*time.Millisecond {
 			t.Errorf("probe %d came %s after the previous failed one, want at least the cool-down %s", i, gap, coolDown)
 		}
 	}

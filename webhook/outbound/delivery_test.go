@@ -212,7 +212,7 @@ func TestRetriesGrowWithJitter(t *testing.T) {
 			if delay < 0 || delay > ceiling {
 				t.Errorf("%s: delay after attempt %d is %s, outside [0, %s]", q.WebhookID, k, delay, ceiling)
 			}
-			if gap := rs[k].at.Sub(rs[k-1].at); gap < delay || gap > delay+slack {
+			if gap := rs[k].since(rs[k-1]); gap < delay || gap > delay+slack {
 				t.Errorf("%s: attempt %d arrived %s after attempt %d, want within [%s, %s]", q.WebhookID, k+1, gap, k, delay, delay+slack)
 			}
 			maxDelay[k] = max(maxDelay[k], delay)
@@ -292,7 +292,7 @@ func TestRetryAfter(t *testing.T) {
 			if len(f) != 2 {
 				t.Fatalf("first delivery: %d requests, want 2", len(f))
 			}
-			gap := f[1].at.Sub(f[0].at)
+			gap := f[1].since(f[0])
 			if gap < tc.atLeast || gap > tc.notAfter {
 				t.Errorf("retry came %s after the %d, want within [%s, %s]", gap, tc.status, tc.atLeast, tc.notAfter)
 			}
@@ -301,8 +301,8 @@ func TestRetryAfter(t *testing.T) {
 			if len(s) != 1 {
 				t.Fatalf("second delivery: %d requests, want 1", len(s))
 			}
-			if tc.throttles && s[0].at.Sub(f[0].at) < tc.atLeast {
-				t.Errorf("second delivery went %s after the throttling answer, want at least %s", s[0].at.Sub(f[0].at), tc.atLeast)
+			if tc.throttles && s[0].since(f[0]) < tc.atLeast {
+				t.Errorf("second delivery went %s after the throttling answer, want at least %s", s[0].since(f[0]), tc.atLeast)
 			}
 		})
 	}

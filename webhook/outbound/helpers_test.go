@@ -182,6 +182,14 @@ type request struct {
 	at        time.Time
 }
 
+// since is how long after earlier req came, on the wall clock: the clock
+// that the database keeps delays and cool-downs by (now()), so that a step
+// of the machine's wall clock moves both alike. time.Time.Sub would use the
+// monotonic readings, which such a step sets apart from now().
+func (req request) since(earlier request) time.Duration {
+	return req.at.Round(0).Sub(earlier.at.Round(0))
+}
+
 // endpoint is an httptest server that records every request and answers
 // with a scripted handler.
 type endpoint struct {
