@@ -71,26 +71,33 @@ type contendedOptions struct {
 	groupConcurrency string
 }
 
-// groupConcurrencyOf returns the -group-concurrency of mode, or 0.
+// groupConcurrencyOf returns the -group-concurrency of mode, or 0: its own
+// pair, else a bare N.
 func (c contendedOptions) groupConcurrencyOf(mode string) (int, error) {
 	if c.groupConcurrency == "" {
 		return 0, nil
 	}
-	g := 0
+	bare, own := 0, -1
 	for _, f := range strings.Split(c.groupConcurrency, ",") {
 		m, v, paired := strings.Cut(strings.TrimSpace(f), "=")
 		if !paired {
-			m, v = mode, m
+			m, v = "", m
 		}
 		n, err := strconv.Atoi(v)
-		if err != nil || n < 0 || !contains(allContendedModes, m) {
-			return 0, fmt.Errorf("invalid -group-concurrency %q: want mode=N pairs or one N", c.groupConcurrency)
+		if err != nil || n < 0 || paired && (!contains(allContendedModes, m) || m == cmHand || m == cmCeiling) {
+			return 0, fmt.Errorf("invalid -group-concurrency %q: want oncely-mode=N pairs or one N", c.groupConcurrency)
 		}
-		if m == mode {
-			g = n
+		switch {
+		case !paired:
+			bare = n
+		case m == mode:
+			own = n
 		}
 	}
-	return g, nil
+	if own >= 0 {
+		return own, nil
+	}
+	return bare, nil
 }
 
 func (c contendedOptions) memberCounts() ([]int, error) {

@@ -134,9 +134,12 @@ type Config struct {
 	// group instead: each member runs its share, by the partitions of
 	// Topics it holds (GroupConcurrency x held / all, rounded down, at least
 	// one, at most Concurrency), and takes a new share at every rebalance.
-	// So the group keeps to it however many members it has, as long as it
-	// has no more members than GroupConcurrency, without reconfiguring
-	// members as they come and go. It is for effects that contend: batches
+	// Once a rebalance has settled, the group keeps to it however many
+	// members it has, as long as they are no more than GroupConcurrency and
+	// hold about as many partitions each (as the balancers spread them),
+	// without reconfiguring members as they come and go; during a rebalance
+	// a member that lost partitions keeps its larger share until its
+	// transactions in flight end. A member starts with a share of one. It is for effects that contend: batches
 	// that write the same hot rows serve best at the few transactions the
 	// database runs them fastest at (two to four on the contended benchmark),
 	// and more members, each with a pool of its own, would otherwise run

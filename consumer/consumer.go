@@ -202,6 +202,12 @@ type run struct {
 	// reshare asks shareLoop for a new share of Config.GroupConcurrency;
 	// nil without one.
 	reshare chan struct{}
+	// reserved is how many of slots shareLoop holds (startShare, then
+	// shareLoop alone).
+	reserved int
+	// countPartitions counts the partitions of the consumed topics
+	// (partitionCount).
+	countPartitions func(context.Context) (int, error)
 	// probeSlot lets one probing partition's record run at a time, so that
 	// a death is put down to the one record that was running.
 	probeSlot chan struct{}
@@ -256,6 +262,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		probeSlot:  make(chan struct{}, 1),
 		started:    time.Now(),
 	}
+	r.startShare() // before the client: a partition may be assigned from then on
 	// Last on the way out: the wake-ups that the last commits owe.
 	defer c.WaitWakeUps(context.WithoutCancel(ctx))
 
@@ -310,18 +317,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 
 	shareDone := make(chan struct{})
-	if c.cfg.GroupConcurrency > 0 {
-		// Until the first assignment, the member's share is what it would
-		// be if it held every partition.
-		share := min(c.cfg.GroupConcurrency, c.cfg.Concurrency)
-		for range c.cfg.Concurrency - share {
-			r.slots <- struct{}{}
-		}
-		c.limit.Store(int64(share))
-		r.reshare = make(chan struct{}, 1)
+	if r.reshare != nil {
 		go func() {
 			defer close(shareDone)
-			r.shareLoop(pollCtx, c.cfg.Concurrency-share)
+			r.shareLoop(pollCtx)
 		}()
 	} else {
 		close(shareDone)
@@ -364,7 +363,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 	c.polling.Store(false)
 	cancelPoll()
-	<-shareDone // its slots given back: the drain has all of Concurrency
+	<-shareDone // the share holds through the drain
 
 	// The periodic committer stops first, so that no commit of its own
 	// (waiting on a rebalance, say) holds up the final one.
@@ -1166,7 +1165,7 @@ func (c *Consumer) deliver(ctx context.Context, rec *kgo.Record, src Source, pri
 // Topic the name it was published to, Offset its sequence in the broker,
 // Headers its headers (the trace context among them), Timestamp when it was
 // stored. Of cfg, the Kafka group's fields (Brokers, Topics, ClientOpts,
-// offsets, BatchMaxWait, key modes, Concurrency) are not used; BatchHandler
+// offsets, BatchMaxWait, key modes, Concurrency, GroupConcurrency) are not used; BatchHandler
 // (with BatchSize above 1), BatchLockTimeout and ConflictKeys apply to
 // DeliverBatch's transactions; DeadLetterTopic
 // names a message's dead-letter destination in spans and logs; crash-loop

@@ -160,7 +160,8 @@
 //     and takes a new one at every rebalance. Batches that write the same
 //     hot rows commit one after another, and each member with a pool of its
 //     own would otherwise add transactions that only wait; the bound keeps
-//     the group at what serves the rows best, however many members it has.
+//     the group at what serves the rows best, however many members it has
+//     (once a rebalance has settled, with no more members than the bound).
 //
 // A batch's savepoints cost no round trip of their own: each travels in front
 // of its handler's first statement (a handler's statements go through a

@@ -8,7 +8,7 @@ import (
 )
 
 // groupShare is the member's share of Config.GroupConcurrency when it holds
-// held of the all partitions of its topics: rounded down, so that members
+// held of all the partitions of its topics: rounded down, so that members
 // holding whole shares never exceed the group's bound together, but at least
 // one (a member with partitions must make progress) and at most
 // Config.Concurrency.
@@ -23,6 +23,28 @@ func groupShare(group, concurrency, held, all int) int {
 // partitions; past it the member keeps the share it had.
 const shareTimeout = 5 * time.Second
 
+// startShare takes the member's first share of Config.GroupConcurrency, one
+// slot, before it holds any partition; shareLoop takes the share its
+// partitions give it as soon as it runs. Starting low keeps a member that
+// joins a busy group from running more than its share while it counts the
+// partitions.
+func (r *run) startShare() {
+	c := r.c
+	if c.cfg.GroupConcurrency == 0 {
+		return
+	}
+	for range c.cfg.Concurrency - 1 {
+		r.slots <- struct{}{}
+	}
+	r.reserved = c.cfg.Concurrency - 1
+	c.limit.Store(1)
+	r.reshare = make(chan struct{}, 1)
+	r.resize() // shareLoop's first share
+	if r.countPartitions == nil {
+		r.countPartitions = r.partitionCount
+	}
+}
+
 // resize asks the share loop to take the member's share anew, after the
 // partitions it holds changed. It never blocks.
 func (r *run) resize() {
@@ -36,19 +58,13 @@ func (r *run) resize() {
 }
 
 // shareLoop keeps the member's transactions in flight to its share of
-// Config.GroupConcurrency. It holds slots of its own out of the Concurrency
-// slots, reserved of them to begin with (taking one waits, like any
-// transaction, for one to be free), and gives them back when the share
-// grows; on the way out it gives all of them back, so that the drain of a
-// stopping member is not held up.
-func (r *run) shareLoop(ctx context.Context, reserved int) {
+// Config.GroupConcurrency: it holds r.reserved of the Concurrency slots
+// itself, taking more (each waits, like a transaction, for a slot to be
+// free) when the share shrinks and giving them back when it grows. It
+// keeps them when it returns (when the member stops polling), so that the
+// member keeps to its share while it drains.
+func (r *run) shareLoop(ctx context.Context) {
 	c := r.c
-	defer func() {
-		for ; reserved > 0; reserved-- {
-			<-r.slots
-		}
-		c.limit.Store(int64(c.cfg.Concurrency))
-	}()
 	all, told := 0, false
 	for {
 		select {
@@ -56,15 +72,15 @@ func (r *run) shareLoop(ctx context.Context, reserved int) {
 			return
 		case <-r.reshare:
 		}
-		if n, err := r.partitionCount(ctx); err == nil {
+		if n, err := r.countPartitions(ctx); err == nil {
 			all = n
 		} else if ctx.Err() == nil {
-			c.cfg.Logger.Warn("oncely cannot count the topics' partitions; keeping the member's share",
-				"group", c.cfg.Group, "err", err)
+			c.cfg.Logger.Warn("oncely cannot count the topics' partitions; the member's share counts them as last seen",
+				"group", c.cfg.Group, "partitions", all, "err", err)
 		}
 		held := int(c.held.Load())
 		share := groupShare(c.cfg.GroupConcurrency, c.cfg.Concurrency, held, all)
-		if !r.reserve(ctx, &reserved, c.cfg.Concurrency-share) {
+		if !r.reserve(ctx, c.cfg.Concurrency-share) {
 			continue // the share moved on meanwhile, or the run ends
 		}
 		if int64(share) != c.limit.Swap(int64(share)) || !told {
@@ -78,15 +94,15 @@ func (r *run) shareLoop(ctx context.Context, reserved int) {
 // reserve takes slots out of r.slots, or gives its own back, until it holds
 // want of them. It gives up (false) when the share moves on before it is
 // done (asking shareLoop again) or ctx ends.
-func (r *run) reserve(ctx context.Context, reserved *int, want int) bool {
-	for *reserved > want {
-		<-r.slots // one of ours: the channel holds at least *reserved
-		*reserved--
+func (r *run) reserve(ctx context.Context, want int) bool {
+	for r.reserved > want {
+		<-r.slots // one of ours: the channel holds at least r.reserved
+		r.reserved--
 	}
-	for *reserved < want {
+	for r.reserved < want {
 		select {
 		case r.slots <- struct{}{}:
-			*reserved++
+			r.reserved++
 		case <-r.reshare:
 			r.resize()
 			return false

@@ -1,6 +1,12 @@
 package consumer
 
-import "testing"
+import (
+	"context"
+	"log/slog"
+	"runtime"
+	"testing"
+	"time"
+)
 
 func TestGroupShare(t *testing.T) {
 	for _, c := range []struct {
@@ -44,5 +50,100 @@ func TestGroupSharesKeepToTheBound(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// The share loop follows the partitions the member holds: it takes slots
+// out of Concurrency as the share shrinks, waiting for transactions in
+// flight to give theirs back, gives them back as the share grows, gives up
+// a reservation when the share moves on meanwhile, and keeps its slots when
+// the member stops.
+func TestShareLoopFollowsThePartitionsHeld(t *testing.T) {
+	c := &Consumer{cfg: Config{Group: "g", Concurrency: 4, GroupConcurrency: 3, Logger: slog.New(slog.DiscardHandler)}}
+	r := &run{c: c, slots: make(chan struct{}, 4),
+		countPartitions: func(context.Context) (int, error) { return 6, nil }}
+	free := func() int { // slots a transaction could take now
+		n := 0
+		for {
+			select {
+			case r.slots <- struct{}{}:
+				n++
+				continue
+			default:
+			}
+			for range n {
+				<-r.slots
+			}
+			return n
+		}
+	}
+	until := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: share %d, %d of 4 slots taken", what, c.limit.Load(), len(r.slots))
+			}
+			runtime.Gosched()
+		}
+	}
+	settle := func(what string, share int64) {
+		t.Helper()
+		until(what, func() bool { return c.limit.Load() == share })
+	}
+	taken := func(what string, n int) {
+		t.Helper()
+		until(what, func() bool { return len(r.slots) == n })
+	}
+
+	r.startShare()
+	if n := free(); n != 1 || c.limit.Load() != 1 {
+		t.Fatalf("before the loop: %d slots free, share %d; want 1 and 1", n, c.limit.Load())
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	c.held.Store(6)
+	go func() {
+		defer close(done)
+		r.shareLoop(ctx)
+	}()
+	settle("holding 6 of 6", 3)
+	if n := free(); n != 3 {
+		t.Fatalf("holding 6 of 6: %d slots free, want 3", n)
+	}
+
+	// Three transactions in flight; the member drops to 2 of 6 (share 1):
+	// the loop waits for two of them to end.
+	for range 3 {
+		r.slots <- struct{}{}
+	}
+	c.held.Store(2)
+	r.resize()
+	<-r.slots                                 // one transaction ends: the loop takes its slot
+	taken("the loop takes the freed slot", 4) // 2 in flight, 2 reserved
+	if c.limit.Load() != 3 {
+		t.Fatalf("share %d while the loop still waits for a slot, want the old 3", c.limit.Load())
+	}
+	// Before another ends, the member gets its partitions back: the loop
+	// gives up waiting and gives a slot back instead.
+	c.held.Store(6)
+	r.resize()
+	taken("holding 6 again with 2 in flight", 3) // 2 in flight, 1 reserved
+	if c.limit.Load() != 3 {
+		t.Fatalf("holding 6 again: share %d, want 3", c.limit.Load())
+	}
+	c.held.Store(2)
+	r.resize()
+	<-r.slots
+	<-r.slots // both transactions end
+	settle("holding 2 of 6", 1)
+	if n := free(); n != 1 {
+		t.Fatalf("holding 2 of 6: %d slots free, want 1", n)
+	}
+
+	cancel()
+	<-done
+	if len(r.slots) != 3 || r.reserved != 3 {
+		t.Fatalf("after the loop: %d slots taken, %d reserved; want the 3 reserved kept", len(r.slots), r.reserved)
 	}
 }

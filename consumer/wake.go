@@ -53,6 +53,9 @@ type waker struct {
 	// notify sends one statement's wake-ups (pg_notify on the pool).
 	notify func(ctx context.Context, channels []string) error
 	outage *ratelog.Limiter
+	// started, when set (by tests), learns when each statement starts, by
+	// the time the pause is kept by.
+	started func(at time.Time)
 
 	mu      sync.Mutex
 	owed    pending.Wakes
@@ -105,6 +108,9 @@ func (w *waker) send(idle chan struct{}) {
 		}
 		w.mu.Unlock()
 		last = time.Now()
+		if w.started != nil {
+			w.started(last)
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), wakeTimeout)
 		if err := w.notify(ctx, chs); err != nil {
 			w.outage.Warn(ctx, "oncely consumer: waking the outbox relays failed; they find the rows at their next poll", "err", err)

@@ -227,7 +227,8 @@ func New(cfg Config) (*Consumer, error) {
 }
 
 // Stats returns the record path's counters (OffsetCommits and
-// PartitionsHeld stay 0; CrashLoops counts messages dead-lettered after
+// PartitionsHeld stay 0, Concurrency is the record path's Config.Concurrency,
+// which this consumer does not use; CrashLoops counts messages dead-lettered after
 // MaxAttempts deliveries that none finished).
 func (c *Consumer) Stats() consumer.Stats { return c.path.Stats() }
 

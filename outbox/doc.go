@@ -57,7 +57,8 @@
 // consumers of packages natsconsumer and rabbitconsumer, which run the same
 // record path), Enqueue therefore sends none: the consumer sends the
 // wake-up after the transaction commits, outside it, one statement at a
-// time for all the transactions that committed meanwhile, and its Run
+// time (at most one per 5 ms) for all the transactions that committed
+// meanwhile, and its Run
 // returns after the last one. Elsewhere (a transaction of your own),
 // Enqueue notifies inside the transaction as described above.
 //
