@@ -227,7 +227,16 @@ type Config struct {
 	// migration 0008) then run one at a time, each in its own transaction (no batch,
 	// no key parallelism), one at a time across the member's probing
 	// partitions, and each is marked in the partition_owners table
-	// (migration 0006) before its KeyFunc and handler run. Records that had
+	// (migration 0006) before its KeyFunc and handler run. In batch mode a
+	// first death costs less: when the dead owner was running ordinary
+	// batches (not a probe, not a replay) and no death is counted against a
+	// record still to run, the batch it could have been running (BatchSize
+	// records from the partition's first unfinished one) runs again as one
+	// batch, marked as a replay (replay_end, migration 0009); a death during
+	// the replay counts against no record, and makes the next start probe
+	// those records one at a time. A restart after a kill then costs one
+	// batch, not a transaction per record of it; a record that kills every
+	// process costs one death more. Records that had
 	// finished (most of them: those the dead owner finished after its last
 	// offset commit) pass as duplicates; without a KeyFunc, the probe asks
 	// the inbox about the records buffered ahead of it in one statement,
@@ -241,7 +250,8 @@ type Config struct {
 	// same way), and the partition goes on. The death of an owner that was not probing is put down to no
 	// record (it may have been running several), so a record that kills
 	// every run is dead-lettered on the start after it killed at most
-	// CrashLoopLimit+1 processes (CrashLoopLimit of them in probe). A
+	// CrashLoopLimit+1 processes (CrashLoopLimit of them in probe), or
+	// CrashLoopLimit+2 in batch mode (one more in the replay). A
 	// partition whose owner died while it was idle, or between records,
 	// dead-letters nothing. A member revoked or shut down without dying
 	// does not count (the deletion of its rows is retried for a few

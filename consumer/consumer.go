@@ -415,8 +415,8 @@ var ErrNotMigrated = errors.New("consumer: a table of oncely's schema does not e
 // checkTables fails Run at start-up when a table the consumer uses is
 // missing: the inbox (migration 0001), redrive_grants (0007; the claim of
 // every record carrying dlq.HeaderRedrive uses it) and, unless
-// CrashLoopLimit is -1, partition_owners (0006) with its in_flight column
-// (0008). The schema was never
+// CrashLoopLimit is -1, partition_owners (0006) with its in_flight (0008)
+// and replay_end (0009) columns. The schema was never
 // migrated, or not to the latest version, or Config.Schema names another
 // schema than the migrations did: the statements on a missing table would
 // fail (42P01) on the first record that needs them. The tables are looked
@@ -432,7 +432,7 @@ func (c *Consumer) checkTables(ctx context.Context) error {
 	type need struct{ table, column string }
 	needs := []need{{sqlident.Table(c.cfg.Schema, "inbox"), ""}, {sqlident.Table(c.cfg.Schema, "redrive_grants"), ""}}
 	if c.crashLoopOn() {
-		needs = append(needs, need{c.owners.table, ""}, need{c.owners.table, "in_flight"})
+		needs = append(needs, need{c.owners.table, ""}, need{c.owners.table, "in_flight"}, need{c.owners.table, "replay_end"})
 	}
 	var missing []string
 	for _, n := range needs {

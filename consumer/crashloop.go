@@ -39,6 +39,16 @@ import (
 //     written to the row (ownerQueries.mark); its id is added once KeyFunc
 //     has returned it (ownerQueries.markID). If the process dies then, the
 //     mark names the record it was running, and only that one.
+//   - In batch mode, a first death is replayed instead (Consumer.replays,
+//     worker.replay): when the dead owner ran ordinary batches (it was not
+//     probing or replaying itself) and no death is counted against a
+//     record still to run, the batch it could have been running (in_flight
+//     records from the partition's first unfinished one) runs again as one
+//     batch, with replay_end (migration 0009) set in the row meanwhile. A
+//     death then counts against no record (none is marked), and the next
+//     start, finding replay_end, probes those records one at a time. A kill
+//     from outside (a deploy, a node lost) costs its successor one batch; a
+//     record that kills every process costs one death more.
 //   - Most records a probe meets finished before the owner died (after its
 //     last offset commit). Without a KeyFunc, the probe asks the inbox once
 //     which of the records buffered ahead of it finished
@@ -61,17 +71,19 @@ import (
 //     (class crash_loop) through the ordinary dead-letter path instead of
 //     running it, and without calling its KeyFunc: by the id the dead
 //     owner's mark gave it, else (the process died in KeyFunc) by
-//     topic/partition/offset, as an undecodable record.
+//     topic/partition/offset, as an undecodable record. A probe that ends
+//     past the suspect clears it: the suspect finished (ran, or was
+//     dead-lettered), and a later death owes it nothing.
 //
 // Nothing of this runs on the hot path: one statement when a partition is
 // assigned and one when it is revoked; only while probing, one per record
 // that had not finished (its mark with its id; with a KeyFunc, and for
 // every record, two: its mark, then its id), one per look-ahead over
-// the buffered records, and one at the end.
+// the buffered records, and one at the end; a replay, two in all.
 
 // ownerQueries are the statements on the partition_owners table, built once.
 type ownerQueries struct {
-	table, start, mark, markID, markWithID, finishedAmong, forget string
+	table, start, mark, markID, markWithID, replay, end, finishedAmong, forget string
 }
 
 func newOwnerQueries(schema string) *ownerQueries {
@@ -105,7 +117,12 @@ func newOwnerQueries(schema string) *ownerQueries {
 		// The INSERT reads prev first: read only by RETURNING, after the
 		// row was updated, its FOR UPDATE would skip the row this very
 		// statement changed, and find nothing.
-		start: `WITH prev AS (SELECT running_offset, running_id, in_flight FROM ` + t + ` WHERE ` + key + ` FOR UPDATE)
+		//
+		// The last column says whether the dead owner was itself probing
+		// (a record marked) or replaying a batch (replay_end): its death
+		// may then be a record's doing, and the probe runs its records
+		// one at a time.
+		start: `WITH prev AS (SELECT running_offset, running_id, in_flight, replay_end FROM ` + t + ` WHERE ` + key + ` FOR UPDATE)
 			INSERT INTO ` + t + ` AS p (consumer_group, topic, partition, owner, in_flight)
 			SELECT $1, $2, $3, $4, $5 FROM (SELECT count(*) FROM prev) AS read_first
 			ON CONFLICT (consumer_group, topic, partition) DO UPDATE SET owner = excluded.owner, started_at = now(),
@@ -114,10 +131,11 @@ func newOwnerQueries(schema string) *ownerQueries {
 				suspect_kills = CASE WHEN NOT (` + died + `) THEN p.suspect_kills
 					WHEN p.suspect_offset = p.running_offset THEN p.suspect_kills + 1 ELSE 1 END,
 				suspect_offset = CASE WHEN ` + died + ` THEN p.running_offset ELSE p.suspect_offset END,
-				running_offset = NULL, running_id = NULL
+				running_offset = NULL, running_id = NULL, replay_end = NULL
 			RETURNING p.deaths, p.suspect_offset, p.suspect_kills,
 				(SELECT prev.running_id FROM prev WHERE prev.running_offset = p.suspect_offset),
-				(SELECT prev.in_flight FROM prev)`,
+				(SELECT prev.in_flight FROM prev),
+				coalesce((SELECT prev.running_offset IS NOT NULL OR prev.replay_end IS NOT NULL FROM prev), false)`,
 		mark: mark,
 		// markID also says whether the record finished before (it will
 		// not run again): a probe counts only the records that had not.
@@ -127,6 +145,17 @@ func newOwnerQueries(schema string) *ownerQueries {
 		// markWithID marks a record and its id at once, where working out
 		// the id runs no user code.
 		markWithID: mark + ` RETURNING ` + finished("$1", "$6"),
+		// replay marks a batch replay running, up to offset $5; a death
+		// then counts against no record (running_offset is NULL).
+		replay: `UPDATE ` + t + ` SET replay_end = $5, running_offset = NULL, running_id = NULL
+			WHERE ` + key + ` AND owner = $4`,
+		// end ends a probe at offset $5: no record runs marked from now
+		// on, and a suspect at or before $5 has finished (the probe ran
+		// it, or dead-lettered it): a later death owes it nothing.
+		end: `UPDATE ` + t + ` SET running_offset = NULL, running_id = NULL, replay_end = NULL,
+				suspect_kills = CASE WHEN suspect_offset <= $5 THEN 0 ELSE suspect_kills END,
+				suspect_offset = CASE WHEN suspect_offset <= $5 THEN NULL ELSE suspect_offset END
+			WHERE ` + key + ` AND owner = $4`,
 		// finishedAmong returns the ids, of those given, that finished:
 		// the probe's look-ahead, one statement for the records buffered.
 		finishedAmong: `SELECT u.id FROM unnest($2::text[]) AS u(id) WHERE ` + finished("$1", "u.id"),
@@ -141,6 +170,10 @@ type ownership struct {
 	suspectID string // the suspect's id, if the last owner that died knew it; "": unknown
 	kills     int    // deaths while the suspect ran
 	inFlight  int    // the most unfinished records the dead owner could have started; 0: unknown
+	// strict: the dead owner was probing or replaying when it died, so its
+	// death may be a record's doing; the probe runs records one at a time.
+	strict bool
+	replay bool // the probe runs the dead owner's batch again, as one batch (worker.replay)
 }
 
 // inFlight is the most records of a partition this consumer can have
@@ -184,7 +217,7 @@ func (w *worker) startOwnership() bool {
 		var suspectID *string
 		var inFlight *int32
 		err := c.cfg.Pool.QueryRow(ctx, c.owners.start, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, c.inFlight()).
-			Scan(&o.deaths, &suspect, &o.kills, &suspectID, &inFlight)
+			Scan(&o.deaths, &suspect, &o.kills, &suspectID, &inFlight, &o.strict)
 		if err == nil && inFlight != nil {
 			o.inFlight = int(*inFlight)
 		}
@@ -203,7 +236,12 @@ func (w *worker) startOwnership() bool {
 	}
 	c.crashProbes.Add(1)
 	c.metrics.crashProbes.Add(w.ctx, 1, c.metricAttrs(attrKey{topic: w.tp.topic}))
-	c.cfg.Logger.Warn("oncely partition starts in probe: its previous owner died without letting it go; the records it may have been running run one at a time",
+	o.replay = c.replays(o)
+	how := "the records it may have been running run one at a time"
+	if o.replay {
+		how = "the batch it may have been running runs again as one batch"
+	}
+	c.cfg.Logger.Warn("oncely partition starts in probe: its previous owner died without letting it go; "+how,
 		"topic", w.tp.topic, "partition", w.tp.partition, "deaths", o.deaths, "suspect_offset", o.suspect,
 		"suspect_kills", o.kills, "crash_loop_limit", c.cfg.CrashLoopLimit, "unfinished_to_probe", o.inFlight)
 	return w.loopProbe(o)
@@ -239,6 +277,8 @@ func (w *worker) loopProbe(o ownership) bool {
 		case !ok:
 		case known:
 			ok = w.passFinished(rec, id)
+		case o.replay && !isRedrive(rec): // redrives are probed alone, as always
+			return w.replay(rec, o)
 		default:
 			ok, fresh = w.probe(rec, o)
 		}
@@ -250,15 +290,79 @@ func (w *worker) loopProbe(o ownership) bool {
 			unfinished++
 		}
 		if rec.Offset+1 >= until || (o.inFlight > 0 && unfinished >= o.inFlight) {
-			// No record runs marked from now on: a later death (idle, or
-			// outside a probe) finds no mark to count against.
-			if !w.markRunning(nil, nil) {
+			if !w.endProbe(rec.Offset) {
 				return false
 			}
 			c.cfg.Logger.Info("oncely partition probe done", "topic", w.tp.topic, "partition", w.tp.partition, "offset", rec.Offset)
 			return true
 		}
 	}
+}
+
+// replays reports whether a probe runs the dead owner's batch again as one
+// batch rather than its records one at a time: in batch mode, when the
+// dead owner ran batches this consumer's batches can hold (in_flight up to
+// BatchSize), died outside a probe and a replay (a death there is put down
+// to no record: it may have been any of the batch's), and no death is
+// counted against a record that has not run since. A record that kills
+// every process then kills the replay too, and the next probe, strict,
+// finds it one record at a time: one death more before it is dead-lettered,
+// against a restart that costs one batch instead of a transaction (and a
+// mark) per record of it.
+func (c *Consumer) replays(o ownership) bool {
+	return !o.strict && o.suspect < 0 && c.cfg.KeyParallelism <= 1 && c.cfg.BatchSize > 1 &&
+		o.inFlight > 1 && o.inFlight <= c.cfg.BatchSize
+}
+
+// replay runs first, the partition's first record not known finished, and
+// the records after it, o.inFlight in all (what the dead owner's batch can
+// have held, from its first unfinished record on), as one batch on the
+// batch path, with the replay marked in the partition's row: should the
+// process die meanwhile, the next owner probes those records one at a time.
+// It takes the probe slot, as a probed record does, so that a death is never
+// blamed on another probing partition's marked record while it runs. It
+// reports false when the worker was stopped first.
+func (w *worker) replay(first *kgo.Record, o ownership) bool {
+	c := w.r.c
+	select {
+	case w.r.probeSlot <- struct{}{}:
+	case <-w.stop:
+		return false
+	case <-w.ctx.Done():
+		return false
+	}
+	defer func() { <-w.r.probeSlot }()
+	batch, ok := w.fill([]*kgo.Record{first}, o.inFlight)
+	if !ok {
+		return false
+	}
+	last := batch[len(batch)-1].Offset
+	if !w.untilDone(func(ctx context.Context) error {
+		_, err := c.cfg.Pool.Exec(ctx, c.owners.replay, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, last)
+		return err
+	}) {
+		return false
+	}
+	if len(batch) > 1 {
+		c.metrics.consumed.Add(w.ctx, int64(len(batch)-1), c.topicAttrs(first)) // first was counted as it came
+	}
+	if _, ok := w.runBatch(w.batchPath(), batch, nil); !ok || !w.endProbe(last) {
+		return false
+	}
+	c.cfg.Logger.Info("oncely partition probe done", "topic", w.tp.topic, "partition", w.tp.partition, "offset", last, "replayed", len(batch))
+	return true
+}
+
+// endProbe ends the partition's probe at offset: no record runs marked from
+// now on, so a later death (idle, or outside a probe) finds no mark to
+// count against, and a suspect at or before offset, which finished, is
+// forgotten. It reports false when the worker was stopped first.
+func (w *worker) endProbe(offset int64) bool {
+	c := w.r.c
+	return w.untilDone(func(ctx context.Context) error {
+		_, err := c.cfg.Pool.Exec(ctx, c.owners.end, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, offset)
+		return err
+	})
 }
 
 // probeLookAhead bounds how many buffered records a probe asks the inbox

@@ -40,33 +40,45 @@ func (w *worker) pop() (*kgo.Record, bool) {
 func (w *worker) loopBatches(size int) {
 	batch := make([]*kgo.Record, 0, size)
 	srcs := make([]Source, 0, size)
-	p := &batchPath{ctx: w.ctx, alone: func(rec *kgo.Record, _ Source) bool { return w.process(rec) }, done: w.markDone}
+	p := w.batchPath()
 	for {
-		var ok bool
-		if batch, ok = w.nextBatch(batch[:0], size); !ok {
+		rec, ok := w.next()
+		if !ok {
+			return
+		}
+		if batch, ok = w.fill(append(batch[:0], rec), size); !ok {
 			return
 		}
 		w.r.c.metrics.consumed.Add(w.ctx, int64(len(batch)), w.r.c.topicAttrs(batch[0]))
-		srcs = srcs[:0]
-		for _, rec := range batch {
-			w.r.c.checkID(w.ctx, rec)
-			srcs = append(srcs, kafkaSource{w})
-		}
-		if !w.r.c.processBatch(p, batch, srcs) {
+		if srcs, ok = w.runBatch(p, batch, srcs); !ok {
 			return
 		}
 	}
 }
 
-// nextBatch waits for a record, then gathers up to size records, waiting up
+// batchPath is the Kafka worker's batch path: records that cannot join a
+// batch run alone on the record path, and each finished record marks its
+// offset.
+func (w *worker) batchPath() *batchPath {
+	return &batchPath{ctx: w.ctx, alone: func(rec *kgo.Record, _ Source) bool { return w.process(rec) }, done: w.markDone}
+}
+
+// runBatch runs batch, already counted as consumed, on p; srcs is scratch
+// space for the records' sources, returned for reuse. It reports false when
+// the worker stopped first.
+func (w *worker) runBatch(p *batchPath, batch []*kgo.Record, srcs []Source) ([]Source, bool) {
+	srcs = srcs[:0]
+	for _, rec := range batch {
+		w.r.c.checkID(w.ctx, rec)
+		srcs = append(srcs, kafkaSource{w})
+	}
+	return srcs, w.r.c.processBatch(p, batch, srcs)
+}
+
+// fill gathers records after those in batch, up to size in all, waiting up
 // to BatchMaxWait for more unless the partition has nothing more to fetch.
 // It reports false when the worker is stopped first.
-func (w *worker) nextBatch(batch []*kgo.Record, size int) ([]*kgo.Record, bool) {
-	rec, ok := w.next()
-	if !ok {
-		return nil, false
-	}
-	batch = append(batch, rec)
+func (w *worker) fill(batch []*kgo.Record, size int) ([]*kgo.Record, bool) {
 	var timer *time.Timer
 	defer func() {
 		if timer != nil {

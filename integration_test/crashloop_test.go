@@ -185,10 +185,11 @@ func testCrashLoop(t *testing.T, killIn string) {
 			e.count(t, `SELECT count(*) FROM effects`) == goods && e.committedLag(t) == 0
 	}
 	deaths := e.restartUntilCaughtUp(t, "poison", limit, killIn, caughtUp)
-	// The first death came outside a probe, and counts against no record;
-	// each later one counted against the poison.
-	if deaths != limit+1 {
-		t.Errorf("the worker died %d times before the poison was dead-lettered, want %d", deaths, limit+1)
+	// The first death came outside a probe, and counts against no record
+	// (nor does, in batch mode, the death in the replay of its batch); each
+	// later one counted against the poison.
+	if want := crashLoopDeaths(limit); deaths != want {
+		t.Errorf("the worker died %d times before the poison was dead-lettered, want %d", deaths, want)
 	}
 
 	e.assertExactlyOnce(t, goods)
@@ -228,8 +229,8 @@ func (e *env) restartUntilCaughtUp(t *testing.T, poison string, limit int, killI
 	t.Helper()
 	deaths := 0
 	for {
-		if deaths > limit+1 {
-			t.Fatalf("the worker died %d times; the poison should have been dead-lettered after %d", deaths, limit+1)
+		if want := crashLoopDeaths(limit); deaths > want {
+			t.Fatalf("the worker died %d times; the poison should have been dead-lettered after %d", deaths, want)
 		}
 		ch := e.startCrashLoopChild(t, poison, limit, killIn)
 		var exited bool
@@ -264,6 +265,18 @@ func (e *env) restartUntilCaughtUp(t *testing.T, poison string, limit int, killI
 		break
 	}
 	return deaths
+}
+
+// crashLoopDeaths is how many processes a record that kills every one of
+// them kills before it is dead-lettered: the first, outside a probe, counts
+// against no record; in batch mode, the next replays the dead owner's batch
+// as one, and that death counts against no record either; then limit
+// deaths in probes, one record at a time.
+func crashLoopDeaths(limit int) int {
+	if consumerMode.batchSize > 1 && consumerMode.keyParallelism <= 1 {
+		return limit + 2
+	}
+	return limit + 1
 }
 
 // ownerRows describes the partition_owners rows, for a failure message.
@@ -340,8 +353,9 @@ func TestCleanExitsNeverCountAsCrashes(t *testing.T) {
 	c := e.start(context.Background(), cfgC)
 	c.await(t, entered)
 	eventually(t, time.Minute, "C to start both partitions in probe", func() bool { return c.c.Stats().CrashProbes == 2 })
-	if n := e.count(t, `SELECT count(*) FROM partition_owners WHERE partition = 0 AND running_offset = 3`); n != 1 {
-		t.Fatalf("the probe did not mark slow (offset 3) before running it")
+	// Marked alone, or (batch mode) in the replay of the dead owner's batch.
+	if n := e.count(t, `SELECT count(*) FROM partition_owners WHERE partition = 0 AND (running_offset = 3 OR replay_end >= 3)`); n != 1 {
+		t.Fatalf("the probe did not mark slow (offset 3) before running it: %s", e.ownerRows(t))
 	}
 	if err := c.stop(t); err != nil {
 		t.Fatal(err)
@@ -657,6 +671,8 @@ func TestCrashLoopOnRedriveIsDeadLettered(t *testing.T) {
 	deaths := e.restartUntilCaughtUp(t, "poison", limit, killInHandler, func() bool {
 		return e.count(t, `SELECT count(*) FROM effects`) == 2 && e.committedLag(t) == 0
 	})
+	// A redrive is probed alone in every mode (a batch replay starts after
+	// it): the second death counted against it.
 	if deaths != limit+1 {
 		t.Errorf("the worker died %d times on the redriven poison, want %d", deaths, limit+1)
 	}
@@ -867,17 +883,7 @@ func testProbePassesFinished(t *testing.T, keyFunc bool) {
 	}
 
 	stmts := &ownerStatements{}
-	pcfg, err := pgxpool.ParseConfig(e.db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pcfg.ConnConfig.RuntimeParams["search_path"] = e.db.Schema
-	pcfg.ConnConfig.Tracer = stmts
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close) // after the consumer's cleanup
+	pool := e.tracedPool(t, stmts)
 	tl := newTel(t)
 	logs := &lockedBuffer{}
 	cfg := e.config("prober", recordEffect("prober"))
@@ -939,6 +945,123 @@ func testProbePassesFinished(t *testing.T, keyFunc bool) {
 	}
 }
 
+// tracedPool is a pool on the env's schema whose statements stmts sees.
+func (e *env) tracedPool(t *testing.T, stmts *ownerStatements) *pgxpool.Pool {
+	t.Helper()
+	pcfg, err := pgxpool.ParseConfig(e.db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pcfg.ConnConfig.RuntimeParams["search_path"] = e.db.Schema
+	pcfg.ConnConfig.Tracer = stmts
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close) // after the consumer's cleanup
+	return pool
+}
+
+// In batch mode, a probe runs the batch its dead owner could have been
+// running (in_flight records from the first that had not finished) again,
+// as one batch: no record is marked, and a transaction or two claim the
+// ten records, where a probe one record at a time marks each and claims
+// each in its own transaction. Only a death the dead owner may owe to a
+// record (it was itself probing, or replaying) makes the probe strict.
+// Records 0..19 of 40 finished before the owner died, up to 10 in flight.
+func TestProbeReplaysTheDeadOwnersBatch(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		died   string // the dead owner's row, beyond in_flight
+		strict bool
+	}{
+		{"died in a batch", "", false},
+		{"died replaying", "replay_end = 29", true},
+		{"died probing", "running_offset = 25, running_id = 'r-25'", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			const total, finished, inFlight = 40, 20, 10
+			e := newEnv(t, 1)
+			e.createDLQTopic(t)
+			ctx := context.Background()
+			var msgs []msg
+			for i := range total {
+				msgs = append(msgs, msg{id: fmt.Sprint("r-", i), partition: 0, key: fmt.Sprint("k-", i%4)})
+			}
+			e.produce(t, msgs)
+			for i := range finished {
+				if _, err := e.db.Pool.Exec(ctx, `WITH claim AS (INSERT INTO inbox (consumer_group, message_id) VALUES ($1, $2))
+					INSERT INTO effects (message_id, partition, "offset", member) VALUES ($2, 0, $3, 'dead')`, e.group, fmt.Sprint("r-", i), i); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := e.db.Pool.Exec(ctx, `INSERT INTO partition_owners (consumer_group, topic, partition, owner, in_flight) VALUES ($1, $2, 0, 'dead', $3)`,
+				e.group, e.topic, inFlight); err != nil {
+				t.Fatal(err)
+			}
+			if tc.died != "" {
+				if _, err := e.db.Pool.Exec(ctx, `UPDATE partition_owners SET `+tc.died); err != nil {
+					t.Fatal(err)
+				}
+			}
+			stmts := &ownerStatements{}
+			logs := &lockedBuffer{}
+			cfg := e.config("prober", recordEffect("prober"))
+			cfg.BatchSize, cfg.KeyParallelism = inFlight, 0
+			cfg.Pool, cfg.Logger = e.tracedPool(t, stmts), slog.New(slog.NewTextHandler(logs, nil))
+			m := e.start(ctx, cfg)
+			eventually(t, time.Minute, "every record to be processed and committed", func() bool {
+				return e.count(t, `SELECT count(*) FROM effects`) == total && e.committedLag(t) == 0
+			})
+			if err := m.stop(t); err != nil {
+				t.Fatal(err)
+			}
+			e.assertExactlyOnce(t, total)
+
+			last := finished + inFlight - 1
+			done := fmt.Sprintf(`msg="oncely partition probe done" topic=%s partition=0 offset=%d`, e.topic, last)
+			marked, claims := stmts.counts()
+			if tc.strict {
+				var want []int64
+				for i := finished; i <= last; i++ {
+					want = append(want, int64(i))
+				}
+				if !slices.Equal(marked, want) {
+					t.Errorf("records marked: %v, want each of the dead owner's batch: %v", marked, want)
+				}
+				if !strings.Contains(logs.String(), done+"\n") {
+					t.Errorf("want the probe to end at offset %d, one record at a time: %q in the log:\n%s", last, done, logs)
+				}
+				if claims < inFlight {
+					t.Errorf("%d transactions claimed inbox ids, want at least %d: one per record probed", claims, inFlight)
+				}
+			} else {
+				if len(marked) != 0 {
+					t.Errorf("records marked: %v, want none: the batch runs again as one", marked)
+				}
+				if want := fmt.Sprintf("%s replayed=%d", done, inFlight); !strings.Contains(logs.String(), want) {
+					t.Errorf("want the probe to replay %d records up to offset %d: %q in the log:\n%s", inFlight, last, want, logs)
+				}
+				// The replay's batch, and the ten records after it in a
+				// batch or two: a handful, where a strict probe takes ten
+				// for the replayed records alone.
+				if claims > 4 {
+					t.Errorf("%d transactions claimed inbox ids, want at most 4: the replay is one batch", claims)
+				}
+			}
+			if s := m.c.Stats(); s.CrashProbes != 1 || s.Processed != total-finished || s.CrashLoops != 0 || s.DeadLettered != 0 {
+				t.Errorf("%d probes, %d processed, %d crash loops, %d dead letters; want 1, %d, 0, 0",
+					s.CrashProbes, s.Processed, s.CrashLoops, s.DeadLettered, total-finished)
+			}
+			if n := e.count(t, `SELECT count(*) FROM partition_owners`); n != 0 {
+				t.Errorf("%d partitions still marked as owned after a clean shutdown: %s", n, e.ownerRows(t))
+			}
+		})
+	}
+}
+
 // ownerStatements counts, through pgx's tracer, the records a consumer
 // marks in partition_owners (by offset, in order) and the transactions it
 // begins with an inbox claim.
@@ -951,8 +1074,9 @@ type ownerStatements struct {
 func (s *ownerStatements) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	// A mark sets running_offset; with a KeyFunc a second statement adds
 	// the id (SET running_id), which is not a second mark.
+	// The end of a probe clears the mark (and the replay's): not a mark.
 	if !strings.HasPrefix(strings.TrimSpace(d.SQL), "UPDATE") || !strings.Contains(d.SQL, "partition_owners") ||
-		!strings.Contains(d.SQL, "SET running_offset") || len(d.Args) < 5 {
+		!strings.Contains(d.SQL, "SET running_offset") || strings.Contains(d.SQL, "replay_end") || len(d.Args) < 5 {
 		return ctx
 	}
 	var off *int64

@@ -1,0 +1,35 @@
+package consumer
+
+import "testing"
+
+// A probe replays the dead owner's batch only in batch mode, when that
+// batch fits in one of this consumer's, and when the death cannot be a
+// record's doing that a strict probe must find: the dead owner was not
+// probing or replaying, and no death is counted against a record still to
+// run.
+func TestReplays(t *testing.T) {
+	batch := func(size, lanes int) *Consumer {
+		return &Consumer{cfg: Config{BatchSize: size, KeyParallelism: lanes}}
+	}
+	died := ownership{deaths: 1, suspect: -1, inFlight: 100}
+	for _, tc := range []struct {
+		name string
+		c    *Consumer
+		o    ownership
+		want bool
+	}{
+		{"batch mode, an ordinary batch in flight", batch(100, 0), died, true},
+		{"a smaller batch in flight", batch(100, 0), ownership{deaths: 1, suspect: -1, inFlight: 10}, true},
+		{"record mode", batch(1, 0), died, false},
+		{"key parallelism", batch(0, 8), ownership{deaths: 1, suspect: -1, inFlight: 2000}, false},
+		{"a bigger batch than this consumer's", batch(50, 0), died, false},
+		{"one record in flight", batch(100, 0), ownership{deaths: 1, suspect: -1, inFlight: 1}, false},
+		{"in flight unknown", batch(100, 0), ownership{deaths: 1, suspect: -1}, false},
+		{"died probing or replaying", batch(100, 0), ownership{deaths: 2, suspect: -1, inFlight: 100, strict: true}, false},
+		{"a suspect still to run", batch(100, 0), ownership{deaths: 2, suspect: 7, kills: 1, inFlight: 100}, false},
+	} {
+		if got := tc.c.replays(tc.o); got != tc.want {
+			t.Errorf("%s: replays = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

@@ -1,0 +1,1 @@
+ALTER TABLE partition_owners DROP COLUMN replay_end;
