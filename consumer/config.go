@@ -227,16 +227,18 @@ type Config struct {
 	// migration 0008) then run one at a time, each in its own transaction (no batch,
 	// no key parallelism), one at a time across the member's probing
 	// partitions, and each is marked in the partition_owners table
-	// (migration 0006) before its KeyFunc and handler run. In batch mode a
-	// first death costs less: when the dead owner was running ordinary
-	// batches (not a probe, not a replay) and no death is counted against a
-	// record still to run, the batch it could have been running (BatchSize
-	// records from the partition's first unfinished one) runs again as one
-	// batch, marked as a replay (replay_end, migration 0009); a death during
-	// the replay counts against no record, and makes the next start probe
-	// those records one at a time. A restart after a kill then costs one
-	// batch, not a transaction per record of it; a record that kills every
-	// process costs one death more. Records that had
+	// (migration 0006) before its KeyFunc and handler run. In batch mode and
+	// with key parallelism a first death costs less: when the dead owner
+	// was running records the ordinary way (not a probe, not a replay) and
+	// no death is counted against a record still to run, the records it
+	// could have been running (in_flight of them from the partition's first
+	// unfinished one) run again as this consumer runs records (one batch, or
+	// on the lanes), marked as a replay (replay_end, migration 0009); a
+	// death during the replay counts against no record, and makes the next
+	// start probe those records one at a time. A restart after a kill then
+	// costs one batch (or the lanes' time), not a transaction and a mark per
+	// record, one at a time; a record that kills every process costs one
+	// death more. Records that had
 	// finished (most of them: those the dead owner finished after its last
 	// offset commit) pass as duplicates; without a KeyFunc, the probe asks
 	// the inbox about the records buffered ahead of it in one statement,
@@ -251,7 +253,8 @@ type Config struct {
 	// record (it may have been running several), so a record that kills
 	// every run is dead-lettered on the start after it killed at most
 	// CrashLoopLimit+1 processes (CrashLoopLimit of them in probe), or
-	// CrashLoopLimit+2 in batch mode (one more in the replay). A
+	// CrashLoopLimit+2 in batch mode and with key parallelism (one more in
+	// the replay). A
 	// partition whose owner died while it was idle, or between records,
 	// dead-letters nothing. A member revoked or shut down without dying
 	// does not count (the deletion of its rows is retried for a few

@@ -766,6 +766,8 @@ type worker struct {
 
 	hwm atomic.Int64 // partition high watermark seen in the last fetch
 
+	replaying *keyReplay // a replay for loopKeys to run (set by the probe, before loopKeys starts)
+
 	mu     sync.Mutex
 	queue  []*kgo.Record
 	full   bool   // the buffer reached MaxBufferedRecords and has not drained to half

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -39,16 +40,18 @@ import (
 //     written to the row (ownerQueries.mark); its id is added once KeyFunc
 //     has returned it (ownerQueries.markID). If the process dies then, the
 //     mark names the record it was running, and only that one.
-//   - In batch mode, a first death is replayed instead (Consumer.replays,
-//     worker.replay): when the dead owner ran ordinary batches (it was not
-//     probing or replaying itself) and no death is counted against a
-//     record still to run, the batch it could have been running (in_flight
-//     records from the partition's first unfinished one) runs again as one
-//     batch, with replay_end (migration 0009) set in the row meanwhile. A
-//     death then counts against no record (none is marked), and the next
-//     start, finding replay_end, probes those records one at a time. A kill
-//     from outside (a deploy, a node lost) costs its successor one batch; a
-//     record that kills every process costs one death more.
+//   - In batch mode and with key parallelism, a first death is replayed
+//     instead (Consumer.replays, worker.replay): when the dead owner ran
+//     records the ordinary way (it was not probing or replaying itself) and
+//     no death is counted against a record still to run, the records it
+//     could have been running (in_flight of them from the partition's first
+//     unfinished one) run again as the mode runs records (one batch; on the
+//     lanes, loopKeys ending the replay once they finished), with
+//     replay_end (migration 0009) set in the row meanwhile. A death then
+//     counts against no record (none is marked), and the next start,
+//     finding replay_end, probes those records one at a time. A kill from
+//     outside (a deploy, a node lost) costs its successor one batch, or the
+//     lanes' time; a record that kills every process costs one death more.
 //   - Most records a probe meets finished before the owner died (after its
 //     last offset commit). Without a KeyFunc, the probe asks the inbox once
 //     which of the records buffered ahead of it finished
@@ -270,15 +273,16 @@ func (w *worker) loopProbe(o ownership) bool {
 		if until < 0 {
 			until = w.hwm.Load() // set before the records were pushed
 		}
-		c.metrics.consumed.Add(w.ctx, 1, c.topicAttrs(rec))
 		id, known, ok := w.knownFinished(ahead, rec, o, until)
+		if ok && !known && o.replay && !isRedrive(rec) { // redrives are probed alone, as always
+			return w.replay(rec, o) // counts rec as consumed with its window
+		}
+		c.metrics.consumed.Add(w.ctx, 1, c.topicAttrs(rec))
 		fresh := false
 		switch {
 		case !ok:
 		case known:
 			ok = w.passFinished(rec, id)
-		case o.replay && !isRedrive(rec): // redrives are probed alone, as always
-			return w.replay(rec, o)
 		default:
 			ok, fresh = w.probe(rec, o)
 		}
@@ -310,18 +314,26 @@ func (w *worker) loopProbe(o ownership) bool {
 // against a restart that costs one batch instead of a transaction (and a
 // mark) per record of it.
 func (c *Consumer) replays(o ownership) bool {
-	return !o.strict && o.suspect < 0 && c.cfg.KeyParallelism <= 1 && c.cfg.BatchSize > 1 &&
-		o.inFlight > 1 && o.inFlight <= c.cfg.BatchSize
+	if o.strict || o.suspect >= 0 || o.inFlight <= 1 {
+		return false
+	}
+	if c.cfg.KeyParallelism > 1 {
+		return o.inFlight <= c.cfg.MaxBufferedRecords
+	}
+	return c.cfg.BatchSize > 1 && o.inFlight <= c.cfg.BatchSize
 }
 
 // replay runs first, the partition's first record not known finished, and
-// the records after it, o.inFlight in all (what the dead owner's batch can
-// have held, from its first unfinished record on), as one batch on the
-// batch path, with the replay marked in the partition's row: should the
-// process die meanwhile, the next owner probes those records one at a time.
-// It takes the probe slot, as a probed record does, so that a death is never
-// blamed on another probing partition's marked record while it runs. It
-// reports false when the worker was stopped first.
+// the records after it, o.inFlight in all (what the dead owner can have
+// been running: its batch, or with key parallelism its buffer, from its
+// first unfinished record on), as this consumer runs records, with the
+// replay marked in the partition's row: should the process die meanwhile,
+// the next owner probes those records one at a time. It takes the probe
+// slot, as a probed record does, so that a death is never blamed on another
+// probing partition's marked record while it runs. In batch mode the
+// window is one batch, run here; with key parallelism, loopKeys runs it
+// (w.replaying), ends the replay and gives the slot back once the window's
+// records finished. It reports false when the worker was stopped first.
 func (w *worker) replay(first *kgo.Record, o ownership) bool {
 	c := w.r.c
 	select {
@@ -331,26 +343,86 @@ func (w *worker) replay(first *kgo.Record, o ownership) bool {
 	case <-w.ctx.Done():
 		return false
 	}
-	defer func() { <-w.r.probeSlot }()
+	release := sync.OnceFunc(func() { <-w.r.probeSlot })
+	markReplay := func(end int64) bool {
+		return w.untilDone(func(ctx context.Context) error {
+			_, err := c.cfg.Pool.Exec(ctx, c.owners.replay, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, end)
+			return err
+		})
+	}
+	if c.cfg.KeyParallelism > 1 {
+		// The window's last offset is known once its records are taken;
+		// the row says where it can end at the most.
+		if !markReplay(first.Offset + int64(o.inFlight) - 1) {
+			release()
+			return false
+		}
+		w.replaying = &keyReplay{first: first, left: o.inFlight, last: -1, release: release}
+		return true
+	}
+	defer release()
 	batch, ok := w.fill([]*kgo.Record{first}, o.inFlight)
 	if !ok {
 		return false
 	}
 	last := batch[len(batch)-1].Offset
-	if !w.untilDone(func(ctx context.Context) error {
-		_, err := c.cfg.Pool.Exec(ctx, c.owners.replay, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, last)
-		return err
-	}) {
+	if !markReplay(last) {
 		return false
 	}
-	if len(batch) > 1 {
-		c.metrics.consumed.Add(w.ctx, int64(len(batch)-1), c.topicAttrs(first)) // first was counted as it came
-	}
+	c.metrics.consumed.Add(w.ctx, int64(len(batch)), c.topicAttrs(first))
 	if _, ok := w.runBatch(w.batchPath(), batch, nil); !ok || !w.endProbe(last) {
 		return false
 	}
 	c.cfg.Logger.Info("oncely partition probe done", "topic", w.tp.topic, "partition", w.tp.partition, "offset", last, "replayed", len(batch))
 	return true
+}
+
+// keyReplay is a replay that loopKeys runs: the dead owner's window, from
+// first on, left records long (left counts down as loopKeys takes them).
+type keyReplay struct {
+	first     *kgo.Record
+	left      int
+	taken     int   // window records taken
+	lastTaken int64 // the offset of the last of them
+	last      int64 // the window's last offset, once known; -1 before
+	release   func()
+}
+
+// took counts rec, taken by loopKeys, into the window until it is full.
+func (kr *keyReplay) took(rec *kgo.Record) {
+	if kr.last >= 0 {
+		return
+	}
+	kr.taken++
+	kr.lastTaken = rec.Offset
+	if kr.left--; kr.left == 0 {
+		kr.last = rec.Offset
+	}
+}
+
+// closeAt ends the window at the last record taken when the partition has
+// nothing more to fetch (hwm, its high watermark): every record the dead
+// owner can have been running is in it.
+func (kr *keyReplay) closeAt(hwm int64) {
+	if kr.last < 0 && kr.lastTaken+1 >= hwm {
+		kr.last = kr.lastTaken
+	}
+}
+
+// finishedReplay ends the replay once every record up to done (the
+// partition's contiguous finished offset; -1: none yet) finished and the
+// window is within it: the mark cleared, the probe slot given back. It
+// reports false when the worker was stopped first.
+func (w *worker) finishedReplay(kr *keyReplay, done int64) (ended, ok bool) {
+	if kr.last < 0 || done < kr.last {
+		return false, true
+	}
+	if !w.endProbe(kr.last) {
+		return false, false
+	}
+	kr.release()
+	w.r.c.cfg.Logger.Info("oncely partition probe done", "topic", w.tp.topic, "partition", w.tp.partition, "offset", kr.last, "replayed", kr.taken)
+	return true, true
 }
 
 // endProbe ends the partition's probe at offset: no record runs marked from

@@ -94,13 +94,14 @@
 // died in KeyFunc (as an undecodable record's). A death while the
 // partition was idle, between records or outside a probe counts against no
 // record, so the record that kills every process is dead-lettered on the
-// start after it killed at most CrashLoopLimit+1 of them. In batch mode a
-// death outside a probe is first replayed: the batch the dead owner could
-// have been running runs again as one batch, marked as a replay in the row
-// (migration 0009); a death during the replay counts against no record and
-// makes the next start probe one record at a time, so a restart after a
-// kill from outside costs one batch, and the record that kills every
-// process, one death more (CrashLoopLimit+2). Probing
+// start after it killed at most CrashLoopLimit+1 of them. In batch mode and
+// with key parallelism a death outside a probe is first replayed: the
+// records the dead owner could have been running run again as this
+// consumer runs records (one batch, or on the lanes), marked as a replay in
+// the row (migration 0009); a death during the replay counts against no
+// record and makes the next start probe one record at a time, so a restart
+// after a kill from outside costs one batch, and the record that kills
+// every process, one death more (CrashLoopLimit+2). Probing
 // partitions take turns, so a
 // marked record is never blamed for another probing partition's record; a
 // partition not in probe can still kill the process while a marked record

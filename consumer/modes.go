@@ -507,21 +507,49 @@ func (w *worker) loopKeys(lanes int) {
 		held     int // taken and not finished
 		stop     = w.stop
 	)
+	take := func(rec *kgo.Record) {
+		t := &keyTask{rec: rec, key: string(rec.Key)}
+		order = append(order, t)
+		held++
+		if q, busy := waiting[t.key]; busy {
+			waiting[t.key] = append(q, t)
+		} else {
+			waiting[t.key] = nil
+			runnable = append(runnable, t)
+		}
+	}
+	// A replay of the dead owner's window (worker.replay) runs in this
+	// loop: its first record is taken already.
+	kr := w.replaying
+	w.replaying = nil
+	doneTo := int64(-1) // the offset of the last record of the finished prefix
+	endReplay := func() {
+		switch ended, ok := w.finishedReplay(kr, doneTo); {
+		case !ok:
+			stop = nil
+		case ended:
+			kr = nil
+		}
+	}
+	if kr != nil {
+		defer kr.release() // stopped before the window finished
+		take(kr.first)
+		kr.took(kr.first)
+	}
 	limit := w.r.c.cfg.MaxBufferedRecords
 	for {
 		for stop != nil && held < limit {
 			rec, ok := w.pop()
 			if !ok {
+				if kr != nil {
+					kr.closeAt(w.hwm.Load())
+					endReplay() // its records may all have finished
+				}
 				break
 			}
-			t := &keyTask{rec: rec, key: string(rec.Key)}
-			order = append(order, t)
-			held++
-			if q, busy := waiting[t.key]; busy {
-				waiting[t.key] = append(q, t)
-			} else {
-				waiting[t.key] = nil
-				runnable = append(runnable, t)
+			take(rec)
+			if kr != nil {
+				kr.took(rec)
 			}
 		}
 		for stop != nil && inflight < lanes && len(runnable) > 0 {
@@ -559,6 +587,10 @@ func (w *worker) loopKeys(lanes int) {
 			}
 			if last != nil {
 				w.markDone(last.rec)
+				doneTo = last.rec.Offset
+				if kr != nil {
+					endReplay()
+				}
 			}
 		case <-w.wake:
 		case <-stop:

@@ -2,14 +2,15 @@ package consumer
 
 import "testing"
 
-// A probe replays the dead owner's batch only in batch mode, when that
-// batch fits in one of this consumer's, and when the death cannot be a
+// A probe replays the dead owner's window only in batch mode, when it fits
+// in one of this consumer's batches, or with key parallelism, when it fits
+// in this consumer's buffer; and when the death cannot be a
 // record's doing that a strict probe must find: the dead owner was not
 // probing or replaying, and no death is counted against a record still to
 // run.
 func TestReplays(t *testing.T) {
 	batch := func(size, lanes int) *Consumer {
-		return &Consumer{cfg: Config{BatchSize: size, KeyParallelism: lanes}}
+		return &Consumer{cfg: Config{BatchSize: size, KeyParallelism: lanes, MaxBufferedRecords: 2000}}
 	}
 	died := ownership{deaths: 1, suspect: -1, inFlight: 100}
 	for _, tc := range []struct {
@@ -21,7 +22,9 @@ func TestReplays(t *testing.T) {
 		{"batch mode, an ordinary batch in flight", batch(100, 0), died, true},
 		{"a smaller batch in flight", batch(100, 0), ownership{deaths: 1, suspect: -1, inFlight: 10}, true},
 		{"record mode", batch(1, 0), died, false},
-		{"key parallelism", batch(0, 8), ownership{deaths: 1, suspect: -1, inFlight: 2000}, false},
+		{"key parallelism, a buffer in flight", batch(0, 8), ownership{deaths: 1, suspect: -1, inFlight: 2000}, true},
+		{"key parallelism, a bigger buffer than this consumer's", batch(0, 8), ownership{deaths: 1, suspect: -1, inFlight: 4000}, false},
+		{"key parallelism after a batch owner", batch(0, 8), died, true},
 		{"a bigger batch than this consumer's", batch(50, 0), died, false},
 		{"one record in flight", batch(100, 0), ownership{deaths: 1, suspect: -1, inFlight: 1}, false},
 		{"in flight unknown", batch(100, 0), ownership{deaths: 1, suspect: -1}, false},

@@ -269,11 +269,11 @@ func (e *env) restartUntilCaughtUp(t *testing.T, poison string, limit int, killI
 
 // crashLoopDeaths is how many processes a record that kills every one of
 // them kills before it is dead-lettered: the first, outside a probe, counts
-// against no record; in batch mode, the next replays the dead owner's batch
-// as one, and that death counts against no record either; then limit
-// deaths in probes, one record at a time.
+// against no record; in batch and per-key mode, the next replays the dead
+// owner's window as this mode runs records, and that death counts against
+// no record either; then limit deaths in probes, one record at a time.
 func crashLoopDeaths(limit int) int {
-	if consumerMode.batchSize > 1 && consumerMode.keyParallelism <= 1 {
+	if consumerMode.batchSize > 1 || consumerMode.keyParallelism > 1 {
 		return limit + 2
 	}
 	return limit + 1
@@ -966,19 +966,24 @@ func (e *env) tracedPool(t *testing.T, stmts *ownerStatements) *pgxpool.Pool {
 // running (in_flight records from the first that had not finished) again,
 // as one batch: no record is marked, and a transaction or two claim the
 // ten records, where a probe one record at a time marks each and claims
-// each in its own transaction. Only a death the dead owner may owe to a
-// record (it was itself probing, or replaying) makes the probe strict.
-// Records 0..19 of 40 finished before the owner died, up to 10 in flight.
+// each in its own transaction. With key parallelism the window runs on the
+// lanes, unmarked, and the replay ends once its records finished. Only a
+// death the dead owner may owe to a record (it was itself probing, or
+// replaying) makes the probe strict. Records 0..19 of 40 finished before
+// the owner died, up to 10 in flight.
 func TestProbeReplaysTheDeadOwnersBatch(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name   string
+		lanes  int    // KeyParallelism; 0: batch mode
 		died   string // the dead owner's row, beyond in_flight
 		strict bool
 	}{
-		{"died in a batch", "", false},
-		{"died replaying", "replay_end = 29", true},
-		{"died probing", "running_offset = 25, running_id = 'r-25'", true},
+		{"died in a batch", 0, "", false},
+		{"died replaying", 0, "replay_end = 29", true},
+		{"died probing", 0, "running_offset = 25, running_id = 'r-25'", true},
+		{"key parallelism, died running", 4, "", false},
+		{"key parallelism, died replaying", 4, "replay_end = 29", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -1009,7 +1014,10 @@ func TestProbeReplaysTheDeadOwnersBatch(t *testing.T) {
 			stmts := &ownerStatements{}
 			logs := &lockedBuffer{}
 			cfg := e.config("prober", recordEffect("prober"))
-			cfg.BatchSize, cfg.KeyParallelism = inFlight, 0
+			cfg.BatchSize, cfg.KeyParallelism = inFlight, tc.lanes
+			if tc.lanes > 0 {
+				cfg.BatchSize = 0
+			}
 			cfg.Pool, cfg.Logger = e.tracedPool(t, stmts), slog.New(slog.NewTextHandler(logs, nil))
 			m := e.start(ctx, cfg)
 			eventually(t, time.Minute, "every record to be processed and committed", func() bool {
@@ -1046,8 +1054,9 @@ func TestProbeReplaysTheDeadOwnersBatch(t *testing.T) {
 				}
 				// The replay's batch, and the ten records after it in a
 				// batch or two: a handful, where a strict probe takes ten
-				// for the replayed records alone.
-				if claims > 4 {
+				// for the replayed records alone. Key parallelism claims
+				// each record in a transaction of its own either way.
+				if claims > 4 && tc.lanes == 0 {
 					t.Errorf("%d transactions claimed inbox ids, want at most 4: the replay is one batch", claims)
 				}
 			}
