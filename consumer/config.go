@@ -228,11 +228,11 @@ type Config struct {
 	// no key parallelism), one at a time across the member's probing
 	// partitions, and each is marked in the partition_owners table
 	// (migration 0006) before its KeyFunc and handler run. In batch mode and
-	// with key parallelism a first death costs less: when the dead owner
-	// was running records the ordinary way (not a probe, not a replay) and
-	// no death is counted against a record still to run, the records it
-	// could have been running (in_flight of them from the partition's first
-	// unfinished one) run again as this consumer runs records (one batch, or
+	// with key parallelism, without a KeyFunc, a first death costs less:
+	// when the dead owner was running records the ordinary way (not a
+	// probe, not a replay) and no death is counted against a record still
+	// to run, the records it could have been running (in_flight of them from
+	// the first the inbox says did not finish) run again as this consumer runs records (one batch, or
 	// on the lanes), marked as a replay (replay_end, migration 0009); a
 	// death during the replay counts against no record, and makes the next
 	// start probe those records one at a time. A restart after a kill then

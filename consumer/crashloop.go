@@ -40,16 +40,18 @@ import (
 //     written to the row (ownerQueries.mark); its id is added once KeyFunc
 //     has returned it (ownerQueries.markID). If the process dies then, the
 //     mark names the record it was running, and only that one.
-//   - In batch mode and with key parallelism, a first death is replayed
-//     instead (Consumer.replays, worker.replay): when the dead owner ran
-//     records the ordinary way (it was not probing or replaying itself) and
-//     no death is counted against a record still to run, the records it
-//     could have been running (in_flight of them from the partition's first
-//     unfinished one) run again as the mode runs records (one batch; on the
+//   - In batch mode and with key parallelism, without a KeyFunc, a first
+//     death is replayed instead (Consumer.replays, worker.replay): when the
+//     dead owner ran records the ordinary way (it was not probing or
+//     replaying itself) and no death is counted against a record still to
+//     run, the records it could have been running (in_flight of them from
+//     the first the inbox says did not finish: records it cannot be asked
+//     about are probed alone on the way) run again as the mode runs records (one batch; on the
 //     lanes, loopKeys ending the replay once they finished), with
 //     replay_end (migration 0009) set in the row meanwhile. A death then
 //     counts against no record (none is marked), and the next start,
-//     finding replay_end, probes those records one at a time. A kill from
+//     finding replay_end, probes those records one at a time, and carries
+//     that on (replay_end -1) until a probe ends. A kill from
 //     outside (a deploy, a node lost) costs its successor one batch, or the
 //     lanes' time; a record that kills every process costs one death more.
 //   - Most records a probe meets finished before the owner died (after its
@@ -124,7 +126,10 @@ func newOwnerQueries(schema string) *ownerQueries {
 		// The last column says whether the dead owner was itself probing
 		// (a record marked) or replaying a batch (replay_end): its death
 		// may then be a record's doing, and the probe runs its records
-		// one at a time.
+		// one at a time. So may the next owner's, should this one die
+		// before it marks a record (another partition's replay, or a kill,
+		// may come first): replay_end -1 carries the strictness forward
+		// until the probe ends.
 		start: `WITH prev AS (SELECT running_offset, running_id, in_flight, replay_end FROM ` + t + ` WHERE ` + key + ` FOR UPDATE)
 			INSERT INTO ` + t + ` AS p (consumer_group, topic, partition, owner, in_flight)
 			SELECT $1, $2, $3, $4, $5 FROM (SELECT count(*) FROM prev) AS read_first
@@ -134,7 +139,8 @@ func newOwnerQueries(schema string) *ownerQueries {
 				suspect_kills = CASE WHEN NOT (` + died + `) THEN p.suspect_kills
 					WHEN p.suspect_offset = p.running_offset THEN p.suspect_kills + 1 ELSE 1 END,
 				suspect_offset = CASE WHEN ` + died + ` THEN p.running_offset ELSE p.suspect_offset END,
-				running_offset = NULL, running_id = NULL, replay_end = NULL
+				running_offset = NULL, running_id = NULL,
+				replay_end = CASE WHEN p.running_offset IS NOT NULL OR p.replay_end IS NOT NULL THEN -1 END
 			RETURNING p.deaths, p.suspect_offset, p.suspect_kills,
 				(SELECT prev.running_id FROM prev WHERE prev.running_offset = p.suspect_offset),
 				(SELECT prev.in_flight FROM prev),
@@ -263,7 +269,7 @@ func (w *worker) startOwnership() bool {
 func (w *worker) loopProbe(o ownership) bool {
 	c := w.r.c
 	until := int64(-1)
-	unfinished := 0
+	ran := 0 // probed records that had not finished
 	ahead := lookAhead{}
 	for {
 		rec, ok := w.next()
@@ -273,9 +279,13 @@ func (w *worker) loopProbe(o ownership) bool {
 		if until < 0 {
 			until = w.hwm.Load() // set before the records were pushed
 		}
-		id, known, ok := w.knownFinished(ahead, rec, o, until)
-		if ok && !known && o.replay && !isRedrive(rec) { // redrives are probed alone, as always
-			return w.replay(rec, o) // counts rec as consumed with its window
+		id, known, unfinished, ok := w.knownFinished(ahead, rec, o, until)
+		if ok && unfinished && o.replay {
+			// The first record the inbox says did not finish: the dead
+			// owner's batch (or buffer) began at or before it. Records it
+			// could not be asked about (the suspect, redrives, oversized
+			// ones, undecodable ids) were probed alone on the way.
+			return w.replay(rec, o, until) // counts rec as consumed with its window
 		}
 		c.metrics.consumed.Add(w.ctx, 1, c.topicAttrs(rec))
 		fresh := false
@@ -291,9 +301,9 @@ func (w *worker) loopProbe(o ownership) bool {
 		}
 		w.markDone(rec)
 		if fresh {
-			unfinished++
+			ran++
 		}
-		if rec.Offset+1 >= until || (o.inFlight > 0 && unfinished >= o.inFlight) {
+		if rec.Offset+1 >= until || (o.inFlight > 0 && ran >= o.inFlight) {
 			if !w.endProbe(rec.Offset) {
 				return false
 			}
@@ -314,7 +324,7 @@ func (w *worker) loopProbe(o ownership) bool {
 // against a restart that costs one batch instead of a transaction (and a
 // mark) per record of it.
 func (c *Consumer) replays(o ownership) bool {
-	if o.strict || o.suspect >= 0 || o.inFlight <= 1 {
+	if o.strict || o.suspect >= 0 || o.inFlight <= 1 || c.cfg.KeyFunc != nil {
 		return false
 	}
 	if c.cfg.KeyParallelism > 1 {
@@ -334,7 +344,7 @@ func (c *Consumer) replays(o ownership) bool {
 // window is one batch, run here; with key parallelism, loopKeys runs it
 // (w.replaying), ends the replay and gives the slot back once the window's
 // records finished. It reports false when the worker was stopped first.
-func (w *worker) replay(first *kgo.Record, o ownership) bool {
+func (w *worker) replay(first *kgo.Record, o ownership, until int64) bool {
 	c := w.r.c
 	select {
 	case w.r.probeSlot <- struct{}{}:
@@ -361,7 +371,11 @@ func (w *worker) replay(first *kgo.Record, o ownership) bool {
 		return true
 	}
 	defer release()
-	batch, ok := w.fill([]*kgo.Record{first}, o.inFlight)
+	// Unlike a batch, the window waits for the records on their way rather
+	// than BatchMaxWait: cut short, it could leave the record that killed
+	// the dead owner to run unmarked. None past until (the high watermark
+	// when the probe began): the dead owner saw nothing past it.
+	batch, ok := w.fill([]*kgo.Record{first}, o.inFlight, until, replayWait)
 	if !ok {
 		return false
 	}
@@ -376,6 +390,10 @@ func (w *worker) replay(first *kgo.Record, o ownership) bool {
 	c.cfg.Logger.Info("oncely partition probe done", "topic", w.tp.topic, "partition", w.tp.partition, "offset", last, "replayed", len(batch))
 	return true
 }
+
+// replayWait bounds how long a batch replay waits for the rest of its
+// window to be fetched.
+const replayWait = 2 * time.Second
 
 // keyReplay is a replay that loopKeys runs: the dead owner's window, from
 // first on, left records long (left counts down as loopKeys takes them).
@@ -442,10 +460,16 @@ func (w *worker) endProbe(offset int64) bool {
 const probeLookAhead = 1000
 
 // lookAhead is what a probe learned, in one statement, of the records it
-// will take next: for each one it asked the inbox about (the very records
-// the worker pops, in the order it pops them), its id if it may pass
-// without a mark (knownFinished), else "".
-type lookAhead map[*kgo.Record]string
+// will take next (the very records the worker pops, in the order it pops
+// them): for each, its id if it may pass without a mark (knownFinished),
+// and whether the inbox was asked about it at all (not the suspect, a
+// redrive, an oversized record or one whose id does not decode).
+type lookAhead map[*kgo.Record]aheadEntry
+
+type aheadEntry struct {
+	id    string // "": not known finished
+	asked bool
+}
 
 // knownFinished reports whether rec may pass the probe as a duplicate
 // without a mark, a transaction or the probe slot, and by which id: the
@@ -470,19 +494,19 @@ type lookAhead map[*kgo.Record]string
 // and the records buffered after it (probeLookAhead at the most, none at or
 // past until, where the probe ends) at once. ok is false when the worker
 // was stopped first.
-func (w *worker) knownFinished(ahead lookAhead, rec *kgo.Record, o ownership, until int64) (id string, known, ok bool) {
+func (w *worker) knownFinished(ahead lookAhead, rec *kgo.Record, o ownership, until int64) (id string, known, unfinished, ok bool) {
 	if w.r.c.cfg.KeyFunc != nil {
-		return "", false, true // the id is user code's, which may be what kills the process
+		return "", false, false, true // the id is user code's, which may be what kills the process
 	}
-	id, asked := ahead[rec]
-	if !asked {
+	e, seen := ahead[rec]
+	if !seen {
 		if !w.lookAhead(ahead, rec, o, until) {
-			return "", false, false
+			return "", false, false, false
 		}
-		id = ahead[rec]
+		e = ahead[rec]
 	}
 	delete(ahead, rec)
-	return id, id != "", true
+	return e.id, e.id != "", e.asked && e.id == "", true
 }
 
 // lookAhead fills ahead for rec and the records buffered after it, read
@@ -502,7 +526,7 @@ func (w *worker) lookAhead(ahead lookAhead, rec *kgo.Record, o ownership, until 
 	byID := make(map[string][]*kgo.Record, len(recs))
 	ids := make([]string, 0, len(recs))
 	for _, r := range recs {
-		ahead[r] = ""
+		ahead[r] = aheadEntry{}
 		if r.Offset == o.suspect || isRedrive(r) || c.oversized(r) {
 			continue
 		}
@@ -510,6 +534,7 @@ func (w *worker) lookAhead(ahead lookAhead, rec *kgo.Record, o ownership, until 
 		if err != nil {
 			continue
 		}
+		ahead[r] = aheadEntry{asked: true}
 		if _, dup := byID[id]; !dup {
 			ids = append(ids, id)
 		}
@@ -531,7 +556,7 @@ func (w *worker) lookAhead(ahead lookAhead, rec *kgo.Record, o ownership, until 
 	}
 	for _, id := range finished {
 		for _, r := range byID[id] {
-			ahead[r] = id
+			ahead[r] = aheadEntry{id: id, asked: true}
 		}
 	}
 	return true

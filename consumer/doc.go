@@ -95,7 +95,8 @@
 // partition was idle, between records or outside a probe counts against no
 // record, so the record that kills every process is dead-lettered on the
 // start after it killed at most CrashLoopLimit+1 of them. In batch mode and
-// with key parallelism a death outside a probe is first replayed: the
+// with key parallelism, without a KeyFunc, a death outside a probe is first
+// replayed: the
 // records the dead owner could have been running run again as this
 // consumer runs records (one batch, or on the lanes), marked as a replay in
 // the row (migration 0009); a death during the replay counts against no

@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -46,7 +47,7 @@ func (w *worker) loopBatches(size int) {
 		if !ok {
 			return
 		}
-		if batch, ok = w.fill(append(batch[:0], rec), size); !ok {
+		if batch, ok = w.fill(append(batch[:0], rec), size, math.MaxInt64, w.r.c.cfg.BatchMaxWait); !ok {
 			return
 		}
 		w.r.c.metrics.consumed.Add(w.ctx, int64(len(batch)), w.r.c.topicAttrs(batch[0]))
@@ -75,17 +76,17 @@ func (w *worker) runBatch(p *batchPath, batch []*kgo.Record, srcs []Source) ([]S
 	return srcs, w.r.c.processBatch(p, batch, srcs)
 }
 
-// fill gathers records after those in batch, up to size in all, waiting up
-// to BatchMaxWait for more unless the partition has nothing more to fetch.
-// It reports false when the worker is stopped first.
-func (w *worker) fill(batch []*kgo.Record, size int) ([]*kgo.Record, bool) {
+// fill gathers records after those in batch, up to size in all and none
+// from offset until on, waiting up to wait for more unless the partition has
+// nothing more to fetch. It reports false when the worker is stopped first.
+func (w *worker) fill(batch []*kgo.Record, size int, until int64, wait time.Duration) ([]*kgo.Record, bool) {
 	var timer *time.Timer
 	defer func() {
 		if timer != nil {
 			timer.Stop()
 		}
 	}()
-	for len(batch) < size {
+	for len(batch) < size && batch[len(batch)-1].Offset+1 < until {
 		if rec, ok := w.pop(); ok {
 			batch = append(batch, rec)
 			continue
@@ -94,7 +95,7 @@ func (w *worker) fill(batch []*kgo.Record, size int) ([]*kgo.Record, bool) {
 			return batch, true // caught up: nothing more to wait for
 		}
 		if timer == nil {
-			timer = time.NewTimer(w.r.c.cfg.BatchMaxWait)
+			timer = time.NewTimer(wait)
 		}
 		select {
 		case <-w.wake:

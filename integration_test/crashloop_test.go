@@ -188,7 +188,7 @@ func testCrashLoop(t *testing.T, killIn string) {
 	// The first death came outside a probe, and counts against no record
 	// (nor does, in batch mode, the death in the replay of its batch); each
 	// later one counted against the poison.
-	if want := crashLoopDeaths(limit); deaths != want {
+	if want := crashLoopDeaths(limit, killIn); deaths != want {
 		t.Errorf("the worker died %d times before the poison was dead-lettered, want %d", deaths, want)
 	}
 
@@ -229,7 +229,7 @@ func (e *env) restartUntilCaughtUp(t *testing.T, poison string, limit int, killI
 	t.Helper()
 	deaths := 0
 	for {
-		if want := crashLoopDeaths(limit); deaths > want {
+		if want := crashLoopDeaths(limit, killIn); deaths > want {
 			t.Fatalf("the worker died %d times; the poison should have been dead-lettered after %d", deaths, want)
 		}
 		ch := e.startCrashLoopChild(t, poison, limit, killIn)
@@ -272,8 +272,10 @@ func (e *env) restartUntilCaughtUp(t *testing.T, poison string, limit int, killI
 // against no record; in batch and per-key mode, the next replays the dead
 // owner's window as this mode runs records, and that death counts against
 // no record either; then limit deaths in probes, one record at a time.
-func crashLoopDeaths(limit int) int {
-	if consumerMode.batchSize > 1 || consumerMode.keyParallelism > 1 {
+// With a KeyFunc there is no replay: the inbox cannot be asked which
+// records finished, so nothing says where the dead owner's window began.
+func crashLoopDeaths(limit int, killIn string) int {
+	if killIn != killInKeyFunc && (consumerMode.batchSize > 1 || consumerMode.keyParallelism > 1) {
 		return limit + 2
 	}
 	return limit + 1
@@ -283,8 +285,9 @@ func crashLoopDeaths(limit int) int {
 func (e *env) ownerRows(t *testing.T) string {
 	t.Helper()
 	var rows string
-	if err := e.db.Pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(format('partition %s (deaths %s, running offset %s)',
-		partition, deaths, coalesce(running_offset::text, 'none')), '; ' ORDER BY partition), 'none') FROM partition_owners`).Scan(&rows); err != nil {
+	if err := e.db.Pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(format('partition %s (deaths %s, running offset %s, replay end %s, suspect %s with %s kills)',
+		partition, deaths, coalesce(running_offset::text, 'none'), coalesce(replay_end::text, 'none'), coalesce(suspect_offset::text, 'none'), suspect_kills),
+		'; ' ORDER BY partition), 'none') FROM partition_owners`).Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
 	return rows
@@ -348,13 +351,17 @@ func TestCleanExitsNeverCountAsCrashes(t *testing.T) {
 		return recordEffect("c")(ctx, tx, m)
 	}
 	e.produce(t, []msg{{id: "slow", partition: 0}, {id: "after-slow", partition: 1}})
+	// As if B had died probing: C probes one record at a time, marking
+	// slow, in every mode (a first death would replay B's window, unmarked).
+	if _, err := e.db.Pool.Exec(context.Background(), `UPDATE partition_owners SET replay_end = -1`); err != nil {
+		t.Fatal(err)
+	}
 	cfgC := withLimit(e.config("c", slowC))
 	cfgC.ShutdownTimeout = 2 * time.Second
 	c := e.start(context.Background(), cfgC)
 	c.await(t, entered)
 	eventually(t, time.Minute, "C to start both partitions in probe", func() bool { return c.c.Stats().CrashProbes == 2 })
-	// Marked alone, or (batch mode) in the replay of the dead owner's batch.
-	if n := e.count(t, `SELECT count(*) FROM partition_owners WHERE partition = 0 AND (running_offset = 3 OR replay_end >= 3)`); n != 1 {
+	if n := e.count(t, `SELECT count(*) FROM partition_owners WHERE partition = 0 AND running_offset = 3`); n != 1 {
 		t.Fatalf("the probe did not mark slow (offset 3) before running it: %s", e.ownerRows(t))
 	}
 	if err := c.stop(t); err != nil {
@@ -671,8 +678,9 @@ func TestCrashLoopOnRedriveIsDeadLettered(t *testing.T) {
 	deaths := e.restartUntilCaughtUp(t, "poison", limit, killInHandler, func() bool {
 		return e.count(t, `SELECT count(*) FROM effects`) == 2 && e.committedLag(t) == 0
 	})
-	// A redrive is probed alone in every mode (a batch replay starts after
-	// it): the second death counted against it.
+	// The redrive is the partition's first unfinished record: probed alone
+	// in every mode (a replay starts only at a record the inbox was asked
+	// about), the second death counted against it.
 	if deaths != limit+1 {
 		t.Errorf("the worker died %d times on the redriven poison, want %d", deaths, limit+1)
 	}
@@ -974,16 +982,19 @@ func (e *env) tracedPool(t *testing.T, stmts *ownerStatements) *pgxpool.Pool {
 func TestProbeReplaysTheDeadOwnersBatch(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
-		name   string
-		lanes  int    // KeyParallelism; 0: batch mode
-		died   string // the dead owner's row, beyond in_flight
-		strict bool
+		name    string
+		lanes   int    // KeyParallelism; 0: batch mode
+		died    string // the dead owner's row, beyond in_flight
+		strict  bool
+		keyFunc bool // a KeyFunc: the inbox cannot be asked which records finished
 	}{
-		{"died in a batch", 0, "", false},
-		{"died replaying", 0, "replay_end = 29", true},
-		{"died probing", 0, "running_offset = 25, running_id = 'r-25'", true},
-		{"key parallelism, died running", 4, "", false},
-		{"key parallelism, died replaying", 4, "replay_end = 29", true},
+		{"died in a batch", 0, "", false, false},
+		{"died replaying", 0, "replay_end = 29", true, false},
+		{"died probing", 0, "running_offset = 25, running_id = 'r-25'", true, false},
+		{"died before its probe marked a record", 0, "replay_end = -1", true, false},
+		{"a KeyFunc", 0, "", true, true},
+		{"key parallelism, died running", 4, "", false, false},
+		{"key parallelism, died replaying", 4, "replay_end = 29", true, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -1018,6 +1029,9 @@ func TestProbeReplaysTheDeadOwnersBatch(t *testing.T) {
 			if tc.lanes > 0 {
 				cfg.BatchSize = 0
 			}
+			if tc.keyFunc {
+				cfg.KeyFunc = func(rec *kgo.Record) (string, error) { return string(rec.Value), nil }
+			}
 			cfg.Pool, cfg.Logger = e.tracedPool(t, stmts), slog.New(slog.NewTextHandler(logs, nil))
 			m := e.start(ctx, cfg)
 			eventually(t, time.Minute, "every record to be processed and committed", func() bool {
@@ -1033,7 +1047,11 @@ func TestProbeReplaysTheDeadOwnersBatch(t *testing.T) {
 			marked, claims := stmts.counts()
 			if tc.strict {
 				var want []int64
-				for i := finished; i <= last; i++ {
+				from := finished
+				if tc.keyFunc {
+					from = 0 // every record is marked before its KeyFunc runs
+				}
+				for i := from; i <= last; i++ {
 					want = append(want, int64(i))
 				}
 				if !slices.Equal(marked, want) {
