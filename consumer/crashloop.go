@@ -182,7 +182,7 @@ type ownership struct {
 	// strict: the dead owner was probing or replaying when it died, so its
 	// death may be a record's doing; the probe runs records one at a time.
 	strict bool
-	replay bool // the probe runs the dead owner's batch again, as one batch (worker.replay)
+	replay bool // the probe runs the dead owner's window again as this consumer runs records (worker.replay)
 }
 
 // inFlight is the most records of a partition this consumer can have
@@ -248,7 +248,7 @@ func (w *worker) startOwnership() bool {
 	o.replay = c.replays(o)
 	how := "the records it may have been running run one at a time"
 	if o.replay {
-		how = "the batch it may have been running runs again as one batch"
+		how = "the records it may have been running run again, as a replay"
 	}
 	c.cfg.Logger.Warn("oncely partition starts in probe: its previous owner died without letting it go; "+how,
 		"topic", w.tp.topic, "partition", w.tp.partition, "deaths", o.deaths, "suspect_offset", o.suspect,
@@ -313,16 +313,18 @@ func (w *worker) loopProbe(o ownership) bool {
 	}
 }
 
-// replays reports whether a probe runs the dead owner's batch again as one
-// batch rather than its records one at a time: in batch mode, when the
-// dead owner ran batches this consumer's batches can hold (in_flight up to
-// BatchSize), died outside a probe and a replay (a death there is put down
-// to no record: it may have been any of the batch's), and no death is
-// counted against a record that has not run since. A record that kills
-// every process then kills the replay too, and the next probe, strict,
-// finds it one record at a time: one death more before it is dead-lettered,
-// against a restart that costs one batch instead of a transaction (and a
-// mark) per record of it.
+// replays reports whether a probe runs the dead owner's window again as
+// this consumer runs records rather than one at a time: without a KeyFunc
+// (the inbox says where the window begins), when the window fits in one of
+// this consumer's batches (in_flight up to BatchSize) or, with key
+// parallelism, in its buffer (up to MaxBufferedRecords), the dead owner
+// died outside a probe and a replay (a death there is put down to no
+// record: it may have been any of the window's), and no death is counted
+// against a record that has not run since. A record that kills every
+// process then kills the replay too, and the next probe, strict, finds it
+// one record at a time: one death more before it is dead-lettered, against
+// a restart that costs one batch (or the lanes' time) instead of a
+// transaction (and a mark) per record of it.
 func (c *Consumer) replays(o ownership) bool {
 	if o.strict || o.suspect >= 0 || o.inFlight <= 1 || c.cfg.KeyFunc != nil {
 		return false
@@ -367,7 +369,7 @@ func (w *worker) replay(first *kgo.Record, o ownership, until int64) bool {
 			release()
 			return false
 		}
-		w.replaying = &keyReplay{first: first, left: o.inFlight, last: -1, release: release}
+		w.replaying = &keyReplay{first: first, size: o.inFlight, last: -1, release: release}
 		return true
 	}
 	defer release()
@@ -396,11 +398,11 @@ func (w *worker) replay(first *kgo.Record, o ownership, until int64) bool {
 const replayWait = 2 * time.Second
 
 // keyReplay is a replay that loopKeys runs: the dead owner's window, from
-// first on, left records long (left counts down as loopKeys takes them).
+// first on, size records long.
 type keyReplay struct {
 	first     *kgo.Record
-	left      int
-	taken     int   // window records taken
+	size      int
+	taken     int   // window records taken by loopKeys
 	lastTaken int64 // the offset of the last of them
 	last      int64 // the window's last offset, once known; -1 before
 	release   func()
@@ -413,7 +415,7 @@ func (kr *keyReplay) took(rec *kgo.Record) {
 	}
 	kr.taken++
 	kr.lastTaken = rec.Offset
-	if kr.left--; kr.left == 0 {
+	if kr.taken == kr.size {
 		kr.last = rec.Offset
 	}
 }
@@ -600,7 +602,7 @@ func (w *worker) probe(rec *kgo.Record, o ownership) (ok, fresh bool) {
 		id := c.suspectID(rec, o.suspectID)
 		// A death while it is dead-lettered counts against it again, by
 		// the same id.
-		if !w.markRunning(&rec.Offset, &id) {
+		if !w.markRunning(rec.Offset, &id) {
 			return false, false
 		}
 		return w.crashLooped(rec, id, o.kills), true
@@ -610,7 +612,7 @@ func (w *worker) probe(rec *kgo.Record, o ownership) (ok, fresh bool) {
 	// Without one, the id comes from a header, and one statement marks both.
 	mark := c.owners.markWithID
 	if c.cfg.KeyFunc != nil {
-		if !w.markRunning(&rec.Offset, nil) {
+		if !w.markRunning(rec.Offset, nil) {
 			return false, false
 		}
 		mark = c.owners.markID
@@ -639,9 +641,9 @@ func (w *worker) probe(rec *kgo.Record, o ownership) (ok, fresh bool) {
 }
 
 // markRunning writes offset, and id when not nil, to the partition's row as
-// the record running now; a nil offset clears the mark. It reports false
-// when the worker was stopped first.
-func (w *worker) markRunning(offset *int64, id *string) bool {
+// the record running now (endProbe clears the mark). It reports false when
+// the worker was stopped first.
+func (w *worker) markRunning(offset int64, id *string) bool {
 	c := w.r.c
 	return w.untilDone(func(ctx context.Context) error {
 		_, err := c.cfg.Pool.Exec(ctx, c.owners.mark, c.cfg.Group, w.tp.topic, w.tp.partition, w.owner, offset, id)
