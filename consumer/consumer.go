@@ -76,6 +76,7 @@ type Consumer struct {
 	deadLettered, deadLetterErrs, batches         atomic.Int64
 	contention, crashProbes, crashLoops           atomic.Int64
 	serialUntil                                   atomic.Int64 // unix ns: see lostToContention
+	gate                                          conflictGate
 	// waker sends the outbox wake-ups of committed transactions, after
 	// their commits.
 	waker *waker
@@ -144,6 +145,7 @@ func (c *Consumer) Stats() Stats {
 		Contention:     c.contention.Load(),
 		CrashProbes:    c.crashProbes.Load(),
 		CrashLoops:     c.crashLoops.Load(),
+		TurnWaits:      c.gate.waits.Load(),
 	}
 }
 
@@ -1704,13 +1706,22 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		res.err = err
 		return res
 	}
-	// BEGIN, the claim and the conflict locks travel in one round trip.
+	// The record's turn among the member's transactions that share its
+	// keys; then BEGIN, the claim and the conflict locks travel in one
+	// round trip.
+	ids := c.locking(locks)
+	leave, ok := c.gate.enter(ctx, ids)
+	if !ok {
+		res.err = ctx.Err()
+		return res
+	}
+	defer leave()
 	ref, redrive := redriveRef(rec)
 	ctx, woke := c.wakes(ctx)
 	tx, claimed, err := c.inbox.BeginClaim(ctx, c.cfg.Pool, dedup.Entry{
 		Group: c.cfg.Group, MessageID: id, Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset,
 		Redrive: redrive, RedriveRef: ref,
-	}, c.locking(locks)...)
+	}, conflictLocks(ids)...)
 	if err != nil {
 		res.err, res.contention, res.infra = err, isContention(err), databaseFailed(err)
 		return res

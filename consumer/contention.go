@@ -58,15 +58,25 @@ func conflictHash(schema, key string) int64 {
 	return int64(h.Sum64() >> 1)
 }
 
-// conflictLocks returns the statement that locks keys, for the round trip
-// that begins the transaction, or nothing when there are no keys.
-func conflictLocks(keys []int64) []dedup.Statement {
+// lockIDs returns keys sorted and without duplicates, in a slice of its own:
+// the order in which a transaction takes its locks, and what it holds in
+// the member's conflictGate.
+func lockIDs(keys []int64) []int64 {
 	if len(keys) == 0 {
 		return nil
 	}
 	keys = slices.Clone(keys) // a batch that runs again locks the same keys
 	slices.Sort(keys)
-	return []dedup.Statement{{SQL: conflictLock, Args: []any{slices.Compact(keys)}}}
+	return slices.Compact(keys)
+}
+
+// conflictLocks returns the statement that locks ids (from lockIDs), for the
+// round trip that begins the transaction, or nothing when there are none.
+func conflictLocks(ids []int64) []dedup.Statement {
+	if len(ids) == 0 {
+		return nil
+	}
+	return []dedup.Statement{{SQL: conflictLock, Args: []any{ids}}}
 }
 
 // setLockTimeout bounds a transaction's lock waits (Config.BatchLockTimeout).
@@ -100,33 +110,37 @@ func (c *Consumer) lostToContention() {
 	}
 }
 
-// groupLock is the lock of the serial window.
-func (c *Consumer) groupLock() []dedup.Statement {
-	return conflictLocks([]int64{conflictHash(c.cfg.Schema, "oncely-serial\x00"+c.cfg.Group)})
+// groupLock is the lock id of the serial window.
+func (c *Consumer) groupLock() []int64 {
+	return []int64{conflictHash(c.cfg.Schema, "oncely-serial\x00"+c.cfg.Group)}
 }
 
-// locking returns what a record's transaction runs after its claim, in the
-// round trip that begins it: its conflict locks, or in the serial window
-// the group-wide lock.
-func (c *Consumer) locking(locks []int64) []dedup.Statement {
+// locking returns the lock ids of a record's transaction, from the lock ids
+// of its conflict keys: those, or in the serial window the group-wide
+// lock's. The transaction takes them in the round trip that begins it
+// (conflictLocks), after its turn in the member's conflictGate.
+func (c *Consumer) locking(locks []int64) []int64 {
 	if c.serial() {
 		return c.groupLock()
 	}
-	return conflictLocks(locks)
+	return lockIDs(locks)
 }
 
-// batchLocking is locking for a batch transaction; outside the serial
-// window a batch without conflict keys bounds its lock waits instead.
-func (c *Consumer) batchLocking(locks []int64) []dedup.Statement {
+// batchLocking is locking for a batch transaction, with what else its first
+// round trip sends: outside the serial window a batch without conflict keys
+// bounds its lock waits instead.
+func (c *Consumer) batchLocking(locks []int64) ([]int64, []dedup.Statement) {
 	switch {
 	case c.cfg.ConflictKeys != nil:
-		return conflictLocks(locks)
+		ids := lockIDs(locks)
+		return ids, conflictLocks(ids)
 	case c.serial():
-		return c.groupLock()
+		ids := c.groupLock()
+		return ids, conflictLocks(ids)
 	case c.cfg.BatchLockTimeout <= 0:
-		return nil
+		return nil, nil
 	}
-	return []dedup.Statement{{SQL: setLockTimeout, Args: []any{strconv.FormatInt(c.cfg.BatchLockTimeout.Milliseconds(), 10) + "ms"}}}
+	return nil, []dedup.Statement{{SQL: setLockTimeout, Args: []any{strconv.FormatInt(c.cfg.BatchLockTimeout.Milliseconds(), 10) + "ms"}}}
 }
 
 // conflictKeys runs Config.ConflictKeys for msg and appends the lock ids of

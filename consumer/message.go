@@ -104,4 +104,8 @@ type Stats struct {
 	// CrashLoops counts records dead-lettered because the process died
 	// while running them CrashLoopLimit times (class crash_loop).
 	CrashLoops int64
+	// TurnWaits counts transactions that waited, in the process, for
+	// another transaction of this member that shares a conflict key
+	// (Config.ConflictKeys) to end, rather than in Postgres.
+	TurnWaits int64
 }

@@ -355,9 +355,17 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		outs[i].id = ids[i]
 		entries[i] = dedup.Entry{Group: c.cfg.Group, MessageID: ids[i], Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset}
 	}
-	// BEGIN, the batch's claim and its conflict locks travel in one round trip.
+	// The batch's turn among the member's transactions that share its
+	// keys; then BEGIN, its claim and its conflict locks travel in one
+	// round trip.
+	held, stmts := c.batchLocking(locks)
+	leave, ok := c.gate.enter(ctx, held)
+	if !ok {
+		return outs, ctx.Err(), false
+	}
+	defer leave()
 	ctx, woke := c.wakes(ctx)
-	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries, c.batchLocking(locks)...)
+	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries, stmts...)
 	if err != nil {
 		return outs, err, databaseFailed(err)
 	}

@@ -252,3 +252,58 @@ func (e *env) drain(t *testing.T, m *member, n int64) consumer.Stats {
 	e.assertExactlyOnce(t, n)
 	return m.c.Stats()
 }
+
+// TestConflictingTransactionsTakeTurnsInTheMember: two records of one
+// member, on two partitions, that share a conflict key. While the first
+// one's handler runs, the second waits for its turn in the process: it has
+// no transaction open and waits on no lock in Postgres, and Stats.TurnWaits
+// counts it. Then both commit, once each. It runs in every consumer mode
+// (make test-modes).
+func TestConflictingTransactionsTakeTurnsInTheMember(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 2)
+	app := "oncely-turns-" + e.group
+	pool := e.memberPool(t, 4, map[string]string{"application_name": app})
+	entered := make(chan string, 2)
+	release := make(chan struct{})
+	effect := recordEffect("m1")
+	cfg := e.config("m1", func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
+		entered <- msg.ID
+		select {
+		case <-release:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return effect(ctx, tx, msg)
+	})
+	cfg.Pool = pool
+	cfg.ConflictKeys = func(*consumer.Message) []string { return []string{"hot-row"} }
+	e.produce(t, []msg{{id: "tt-0", partition: 0, key: "a"}, {id: "tt-1", partition: 1, key: "b"}})
+	m := e.start(context.Background(), cfg)
+
+	var first string
+	select {
+	case first = <-entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no handler ran within 30s")
+	}
+	eventually(t, 30*time.Second, "the other record waiting for its turn", func() bool {
+		return m.c.Stats().TurnWaits >= 1
+	})
+	select {
+	case second := <-entered:
+		t.Fatalf("%s ran while %s, which shares its conflict key, was running", second, first)
+	default:
+	}
+	if n := e.count(t, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND xact_start IS NOT NULL`, app); n != 1 {
+		t.Errorf("%d transactions of the member open, want 1: the one waiting its turn must not have begun", n)
+	}
+	if n := e.count(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1 AND NOT l.granted`, app); n != 0 {
+		t.Errorf("%d locks of the member waited for in Postgres, want 0", n)
+	}
+	close(release)
+	s := e.drain(t, m, 2)
+	if s.TurnWaits < 1 || s.Contention != 0 || s.DeadLettered != 0 {
+		t.Errorf("stats %+v: want a turn waited, no contention, nothing dead-lettered", s)
+	}
+}
