@@ -1710,7 +1710,7 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 	// keys; then BEGIN, the claim and the conflict locks travel in one
 	// round trip.
 	ids := c.locking(locks)
-	leave, ok := c.gate.enter(ctx, ids)
+	leave, ok := c.turn(ctx, ids, rec)
 	if !ok {
 		res.err = ctx.Err()
 		return res

@@ -148,12 +148,13 @@
 //     any handler runs. Transactions that share a key, of any member, take
 //     turns; Postgres never sees a cycle. Transactions that share none run
 //     side by side. Those of one member take their turns in the process,
-//     before they begin, first come first served (Stats.TurnWaits), so
-//     Postgres holds at most one waiting transaction a member: waiters
-//     there hold the locks they took so far and block the rest, and each
-//     one more slowed the group down. A batch locks all its records' keys at once: hot keys
-//     make batches take turns, so make batches cheap (a BatchHandler doing
-//     set-based writes takes a few round trips for a whole batch).
+//     before they begin, first come first served (Stats.TurnWaits,
+//     oncely.consumer.turn_waits), so Postgres holds at most one waiting
+//     transaction a member: waiters there hold the locks they took so far
+//     and block the rest, and each one more slowed the group down. A batch
+//     locks all its records' keys at once: hot keys make batches take
+//     turns, so make batches cheap (a BatchHandler doing set-based writes
+//     takes a few round trips for a whole batch).
 //   - Contention is not failure. A deadlock (40P01), a serialization
 //     failure (40001) or a lock timeout (55P03) runs the transaction again
 //     after a pause of a few milliseconds, spends no attempt, is counted in

@@ -5,6 +5,8 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+
+	"github.com/twmb/franz-go/pkg/kgo"
 )
 
 // conflictGate makes the member's own transactions whose conflict keys
@@ -40,10 +42,19 @@ type gateWaiter struct {
 	ready chan struct{} // closed when the waiter holds its keys
 }
 
+// turn waits for the turn of a transaction of rec with the lock ids keys
+// (from lockIDs) in the member's conflictGate, counting a wait in the
+// oncely.consumer.turn_waits metric, and returns the function that ends
+// it. It gives up (false) when ctx ends first.
+func (c *Consumer) turn(ctx context.Context, keys []int64, rec *kgo.Record) (leave func(), ok bool) {
+	return c.gate.enter(ctx, keys, func() { c.metrics.turnWaits.Add(ctx, 1, c.topicAttrs(rec)) })
+}
+
 // enter waits until the transaction with the distinct lock ids keys may run,
-// and returns the function that lets the next ones in once it has ended. It
-// gives up (false) when ctx ends first. Without keys it returns at once.
-func (g *conflictGate) enter(ctx context.Context, keys []int64) (leave func(), ok bool) {
+// and returns the function that lets the next ones in once it has ended;
+// waiting is called, if not nil, when it has to wait. It gives up (false)
+// when ctx ends first. Without keys it returns at once.
+func (g *conflictGate) enter(ctx context.Context, keys []int64, waiting func()) (leave func(), ok bool) {
 	if len(keys) == 0 {
 		return func() {}, true
 	}
@@ -64,6 +75,9 @@ func (g *conflictGate) enter(ctx context.Context, keys []int64) (leave func(), o
 		g.wanted[k]++
 	}
 	g.mu.Unlock()
+	if waiting != nil {
+		waiting()
+	}
 
 	select {
 	case <-wt.ready:

@@ -16,7 +16,7 @@ func now(t *testing.T, g *conflictGate, keys ...int64) bool {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	leave, ok := g.enter(ctx, keys)
+	leave, ok := g.enter(ctx, keys, nil)
 	if ok {
 		leave()
 	}
@@ -30,7 +30,7 @@ func waitFor(t *testing.T, ctx context.Context, g *conflictGate, keys ...int64) 
 	before := g.waits.Load()
 	entered := make(chan func(), 1)
 	go func() {
-		leave, ok := g.enter(ctx, keys)
+		leave, ok := g.enter(ctx, keys, nil)
 		if !ok {
 			leave = nil
 		}
@@ -63,7 +63,7 @@ func TestGateKeepsOverlappingTransactionsApart(t *testing.T) {
 					set = append(set, int64(rng.IntN(keys)))
 				}
 				set = lockIDs(set)
-				leave, ok := g.enter(context.Background(), set)
+				leave, ok := g.enter(context.Background(), set, nil)
 				if !ok {
 					t.Error("enter gave up without a cancelled context")
 					return
@@ -99,7 +99,7 @@ func TestGateKeepsOverlappingTransactionsApart(t *testing.T) {
 
 func TestGateTurnsAreFirstComeFirstServed(t *testing.T) {
 	var g conflictGate
-	leaveA, ok := g.enter(context.Background(), []int64{1})
+	leaveA, ok := g.enter(context.Background(), []int64{1}, nil)
 	if !ok {
 		t.Fatal("A could not enter an empty gate")
 	}
@@ -132,7 +132,7 @@ func TestGateTurnsAreFirstComeFirstServed(t *testing.T) {
 
 func TestGateWaiterThatGivesUpLetsOthersIn(t *testing.T) {
 	var g conflictGate
-	leaveA, _ := g.enter(context.Background(), []int64{1})
+	leaveA, _ := g.enter(context.Background(), []int64{1}, nil)
 	ctxB, cancelB := context.WithCancel(context.Background())
 	b := waitFor(t, ctxB, &g, 1, 2)
 	c := waitFor(t, context.Background(), &g, 2) // behind B, for key 2
@@ -156,7 +156,7 @@ func TestGateWaiterThatGivesUpLetsOthersIn(t *testing.T) {
 func TestGateWaiterLetInAsItGivesUp(t *testing.T) {
 	for range 50 {
 		var g conflictGate
-		leaveA, _ := g.enter(context.Background(), []int64{1})
+		leaveA, _ := g.enter(context.Background(), []int64{1}, nil)
 		ctxB, cancelB := context.WithCancel(context.Background())
 		b := waitFor(t, ctxB, &g, 1, 2)
 		g.mu.Lock() // B's cancellation and A's leaving land together

@@ -359,7 +359,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 	// keys; then BEGIN, its claim and its conflict locks travel in one
 	// round trip.
 	held, stmts := c.batchLocking(locks)
-	leave, ok := c.gate.enter(ctx, held)
+	leave, ok := c.turn(ctx, held, recs[0])
 	if !ok {
 		return outs, ctx.Err(), false
 	}

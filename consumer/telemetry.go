@@ -24,6 +24,7 @@ type instruments struct {
 	duplicates      metric.Int64Counter
 	retries         metric.Int64Counter
 	contention      metric.Int64Counter
+	turnWaits       metric.Int64Counter
 	deadLettered    metric.Int64Counter
 	crashProbes     metric.Int64Counter
 	idFallback      metric.Int64Counter
@@ -54,6 +55,9 @@ func newInstruments(m metric.Meter, cfg *Config) (*instruments, error) {
 	add(err)
 	in.contention, err = m.Int64Counter("oncely.consumer.contention", metric.WithUnit("{message}"),
 		metric.WithDescription("Records whose transaction lost to another (deadlock, serialization failure, lock timeout) and ran again without spending an attempt."))
+	add(err)
+	in.turnWaits, err = m.Int64Counter("oncely.consumer.turn_waits", metric.WithUnit("{transaction}"),
+		metric.WithDescription("Transactions that waited, in the process, for another of this member sharing a conflict key to end (ConflictKeys)."))
 	add(err)
 	in.deadLettered, err = m.Int64Counter("oncely.consumer.dead_lettered", metric.WithUnit("{message}"),
 		metric.WithDescription("Records written to a dead-letter topic."))

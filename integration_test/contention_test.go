@@ -257,8 +257,8 @@ func (e *env) drain(t *testing.T, m *member, n int64) consumer.Stats {
 // member, on two partitions, that share a conflict key. While the first
 // one's handler runs, the second waits for its turn in the process: it has
 // no transaction open and waits on no lock in Postgres, and Stats.TurnWaits
-// counts it. Then both commit, once each. It runs in every consumer mode
-// (make test-modes).
+// and the oncely.consumer.turn_waits metric count it. Then both commit, once
+// each. It runs in every consumer mode (make test-modes).
 func TestConflictingTransactionsTakeTurnsInTheMember(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, 2)
@@ -276,7 +276,8 @@ func TestConflictingTransactionsTakeTurnsInTheMember(t *testing.T) {
 		}
 		return effect(ctx, tx, msg)
 	})
-	cfg.Pool = pool
+	tl := newTel(t)
+	cfg.Pool, cfg.MeterProvider = pool, tl.mp
 	cfg.ConflictKeys = func(*consumer.Message) []string { return []string{"hot-row"} }
 	e.produce(t, []msg{{id: "tt-0", partition: 0, key: "a"}, {id: "tt-1", partition: 1, key: "b"}})
 	m := e.start(context.Background(), cfg)
@@ -305,5 +306,8 @@ func TestConflictingTransactionsTakeTurnsInTheMember(t *testing.T) {
 	s := e.drain(t, m, 2)
 	if s.TurnWaits < 1 || s.Contention != 0 || s.DeadLettered != 0 {
 		t.Errorf("stats %+v: want a turn waited, no contention, nothing dead-lettered", s)
+	}
+	if got := tl.sum(t, "oncely.consumer.turn_waits"); got != s.TurnWaits {
+		t.Errorf("turn_waits metric = %d, want Stats.TurnWaits, %d", got, s.TurnWaits)
 	}
 }
