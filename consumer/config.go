@@ -99,10 +99,10 @@ type Config struct {
 	// Transactions that share a key, of this member or any other, then take
 	// turns instead of deadlocking: Postgres never has a cycle to break,
 	// whatever order the handlers write their rows in. Those of one member
-	// take their turns in the process, before they begin (Stats.TurnWaits
-	// counts the waits): what waits in Postgres is at most one transaction a
-	// member, holding no lock another of its transactions wants. Keys are free-form
-	// strings, scoped to Schema; use a prefix per kind of row
+	// take their turns in the process, before they begin, first come first
+	// served (Stats.TurnWaits counts the waits): none waits in Postgres
+	// behind another of its own member, only behind other members'. Keys
+	// are free-form strings, scoped to Schema; use a prefix per kind of row
 	// ("customer:42"). A message whose
 	// value does not decode may return nil: its handler will say so.
 	//

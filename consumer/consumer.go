@@ -1712,7 +1712,8 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 	ids := c.locking(locks)
 	leave, ok := c.turn(ctx, ids, rec)
 	if !ok {
-		res.err = ctx.Err()
+		// Ended while waiting: as a BEGIN that ctx cut short would have.
+		res.err, res.infra = ctx.Err(), true
 		return res
 	}
 	defer leave()

@@ -149,9 +149,9 @@
 //     turns; Postgres never sees a cycle. Transactions that share none run
 //     side by side. Those of one member take their turns in the process,
 //     before they begin, first come first served (Stats.TurnWaits,
-//     oncely.consumer.turn_waits), so Postgres holds at most one waiting
-//     transaction a member: waiters there hold the locks they took so far
-//     and block the rest, and each one more slowed the group down. A batch
+//     oncely.consumer.turn_waits), so none waits in Postgres behind another
+//     of its own member: waiters there hold the locks they took so far and
+//     block the rest, and each one more slowed the group down. A batch
 //     locks all its records' keys at once: hot keys make batches take
 //     turns, so make batches cheap (a BatchHandler doing set-based writes
 //     takes a few round trips for a whole batch).

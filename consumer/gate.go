@@ -21,14 +21,20 @@ import (
 // batches all share rows, four such waiters in one member ran at the rate of
 // one or two, and six (three members of two partitions each) at 0.74 of it.
 // Through the gate a member sends the database only transactions that do not
-// overlap, so what waits in Postgres is at most one transaction a member,
-// behind another member's.
+// overlap: none of them waits in Postgres for another of its own, only for
+// other members' transactions.
 //
 // A transaction enters when none of its keys is held by one in flight and
 // none is wanted by one that came before it and still waits: first come,
 // first served, so a transaction with many keys is never overtaken for good
-// by a stream of smaller ones. Entering takes no lock of Postgres and no
-// connection.
+// by a stream of smaller ones. That is stricter than the locks themselves:
+// a waiter reserves all its keys, where in Postgres it would hold only those
+// below the one it waits for, so a later transaction that shares one of its
+// higher keys waits behind it even where Postgres would let it run (and
+// could keep a batch of many keys waiting for as long as smaller ones keep
+// coming). And a transaction let in holds all its keys here while it may
+// still wait in Postgres on another member's. Entering takes no lock of
+// Postgres and no connection.
 type conflictGate struct {
 	mu      sync.Mutex
 	held    map[int64]struct{}

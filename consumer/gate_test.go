@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // now reports whether a transaction with keys would enter g at once: enter
@@ -21,6 +22,23 @@ func now(t *testing.T, g *conflictGate, keys ...int64) bool {
 		leave()
 	}
 	return ok
+}
+
+// turnBound bounds how long a test waits for a gate to let a waiter in: a
+// lost wake-up fails the test instead of hanging it.
+const turnBound = 10 * time.Second
+
+// let returns what a waiter from waitFor got: its leave function, or nil
+// when it gave up.
+func let(t *testing.T, entered <-chan func()) func() {
+	t.Helper()
+	select {
+	case leave := <-entered:
+		return leave
+	case <-time.After(turnBound):
+		t.Fatalf("a waiter was not let in within %s: a lost wake-up", turnBound)
+		return nil
+	}
 }
 
 // waitFor enters g with keys in a goroutine once the gate counts it as
@@ -47,53 +65,84 @@ func waitFor(t *testing.T, ctx context.Context, g *conflictGate, keys ...int64) 
 	return entered
 }
 
-func TestGateKeepsOverlappingTransactionsApart(t *testing.T) {
-	var g conflictGate
-	const workers, rounds, keys = 8, 400, 10
-	var inside [keys]atomic.Int32
-	var together atomic.Int32 // most transactions seen inside at once
-	var in atomic.Int32
+// randomKeys returns 1 to most distinct keys below keys, sorted.
+func randomKeys(rng *rand.Rand, most, keys int) []int64 {
+	set := make([]int64, 0, most)
+	for range 1 + rng.IntN(most) {
+		set = append(set, int64(rng.IntN(keys)))
+	}
+	return lockIDs(set)
+}
+
+// holdAlone counts set's keys in inside for a moment, failing the test if
+// another transaction counted one of them at the same time.
+func holdAlone(t *testing.T, inside []atomic.Int32, set []int64) {
+	for _, k := range set {
+		if n := inside[k].Add(1); n != 1 {
+			t.Errorf("key %d held by %d transactions at once", k, n)
+		}
+	}
+	runtime.Gosched()
+	for _, k := range set {
+		inside[k].Add(-1)
+	}
+}
+
+// stressGate runs 8 workers through g, 400 transactions each, on random
+// sets of up to most of keys keys, checking that no key is ever held twice at
+// once; with giveUp a third of the transactions end their context at a
+// random moment, waiting or not. It returns the most transactions seen
+// inside at once and how many gave up, and checks the gate is empty at the
+// end.
+func stressGate(t *testing.T, g *conflictGate, keys, most int, giveUp bool) (together int32, gaveUp int64) {
+	t.Helper()
+	inside := make([]atomic.Int32, keys)
+	var most32, in atomic.Int32
+	var gave atomic.Int64
 	var wg sync.WaitGroup
-	for w := range workers {
+	for w := range 8 {
 		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(w), 1))
-			for range rounds {
-				set := make([]int64, 0, 4)
-				for range 1 + rng.IntN(4) {
-					set = append(set, int64(rng.IntN(keys)))
+			rng := rand.New(rand.NewPCG(uint64(w), uint64(keys)))
+			for range 400 {
+				set := randomKeys(rng, most, keys)
+				ctx, cancel := context.WithCancel(context.Background())
+				if giveUp && rng.IntN(3) == 0 {
+					time.AfterFunc(time.Duration(rng.IntN(50))*time.Microsecond, cancel)
 				}
-				set = lockIDs(set)
-				leave, ok := g.enter(context.Background(), set, nil)
+				leave, ok := g.enter(ctx, set, nil)
 				if !ok {
-					t.Error("enter gave up without a cancelled context")
-					return
+					gave.Add(1)
+					cancel()
+					continue
 				}
 				n := in.Add(1)
-				for cur := together.Load(); n > cur && !together.CompareAndSwap(cur, n); cur = together.Load() {
+				for cur := most32.Load(); n > cur && !most32.CompareAndSwap(cur, n); cur = most32.Load() {
 				}
-				for _, k := range set {
-					if got := inside[k].Add(1); got != 1 {
-						t.Errorf("key %d held by %d transactions at once", k, got)
-					}
-				}
-				runtime.Gosched()
-				for _, k := range set {
-					inside[k].Add(-1)
-				}
+				holdAlone(t, inside, set)
 				in.Add(-1)
 				leave()
+				cancel()
 			}
 		})
 	}
-	wg.Wait()
-	if together.Load() < 2 {
-		t.Errorf("never more than %d transaction inside at once: transactions with disjoint keys must run side by side", together.Load())
+	waitGroup(t, &wg)
+	if len(g.held) != 0 || len(g.wanted) != 0 || len(g.waiters) != 0 {
+		t.Errorf("gate not empty at the end: held %v, wanted %v, %d waiters", g.held, g.wanted, len(g.waiters))
+	}
+	return most32.Load(), gave.Load()
+}
+
+func TestGateKeepsOverlappingTransactionsApart(t *testing.T) {
+	var g conflictGate
+	together, gaveUp := stressGate(t, &g, 10, 4, false)
+	if gaveUp != 0 {
+		t.Errorf("%d transactions gave up without their context ending", gaveUp)
+	}
+	if together < 2 {
+		t.Errorf("never more than %d transaction inside at once: transactions with disjoint keys must run side by side", together)
 	}
 	if g.waits.Load() == 0 {
 		t.Error("no transaction ever waited: the test did not contend")
-	}
-	if len(g.held) != 0 || len(g.wanted) != 0 || len(g.waiters) != 0 {
-		t.Errorf("gate not empty at the end: held %v, wanted %v, %d waiters", g.held, g.wanted, len(g.waiters))
 	}
 }
 
@@ -114,7 +163,7 @@ func TestGateTurnsAreFirstComeFirstServed(t *testing.T) {
 		t.Fatal("D (key 3) waited although no one holds or wants its key")
 	}
 	leaveA()
-	leaveB := <-b
+	leaveB := let(t, b)
 	if leaveB == nil {
 		t.Fatal("B gave up")
 	}
@@ -137,10 +186,10 @@ func TestGateWaiterThatGivesUpLetsOthersIn(t *testing.T) {
 	b := waitFor(t, ctxB, &g, 1, 2)
 	c := waitFor(t, context.Background(), &g, 2) // behind B, for key 2
 	cancelB()
-	if leave := <-b; leave != nil {
+	if leave := let(t, b); leave != nil {
 		t.Fatal("B entered although A still holds key 1")
 	}
-	leaveC := <-c // B no longer holds C back
+	leaveC := let(t, c) // B no longer holds C back
 	if leaveC == nil {
 		t.Fatal("C gave up")
 	}
@@ -164,7 +213,7 @@ func TestGateWaiterLetInAsItGivesUp(t *testing.T) {
 		g.release([]int64{1})
 		g.admit()
 		g.mu.Unlock()
-		if leave := <-b; leave != nil {
+		if leave := let(t, b); leave != nil {
 			leave()
 		}
 		_ = leaveA // A's keys were released by hand above
@@ -182,5 +231,54 @@ func TestLockIDsSortsAndDropsDuplicates(t *testing.T) {
 	}
 	if !slices.Equal(in, []int64{5, 1, 5, 3, 1}) {
 		t.Errorf("lockIDs changed its argument: %v", in)
+	}
+}
+
+// waitGroup waits for wg, failing the test past turnBound.
+func waitGroup(t *testing.T, wg *sync.WaitGroup) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(turnBound):
+		t.Fatalf("workers still in the gate after %s: a lost wake-up", turnBound)
+	}
+}
+
+// A waiter is let in only when no waiter before it wants one of its keys,
+// also when its own keys come free first.
+func TestGateLetsWaitersInInTheirOrder(t *testing.T) {
+	var g conflictGate
+	leaveA, _ := g.enter(context.Background(), []int64{1}, nil)
+	leaveH, _ := g.enter(context.Background(), []int64{3}, nil)
+	b := waitFor(t, context.Background(), &g, 1, 2) // waits for A
+	c := waitFor(t, context.Background(), &g, 2, 3) // waits for H, and behind B for key 2
+	leaveH()
+	g.mu.Lock()
+	_, cIn := g.held[2]
+	g.mu.Unlock()
+	if cIn {
+		t.Fatal("C (keys 2, 3) was let in when H left, ahead of B (keys 1, 2), which came first")
+	}
+	leaveA()
+	leaveB := let(t, b)
+	if leaveB == nil {
+		t.Fatal("B gave up")
+	}
+	leaveB()
+	if leaveC := let(t, c); leaveC == nil {
+		t.Fatal("C gave up")
+	} else {
+		leaveC()
+	}
+}
+
+// Mutual exclusion, and nothing left behind, while a third of the waiters
+// give up at random moments.
+func TestGateWaitersGivingUpLoseNoWakeUp(t *testing.T) {
+	var g conflictGate
+	if _, gaveUp := stressGate(t, &g, 12, 6, true); gaveUp == 0 {
+		t.Error("no waiter gave up: the test did not exercise giving up")
 	}
 }

@@ -361,7 +361,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 	held, stmts := c.batchLocking(locks)
 	leave, ok := c.turn(ctx, held, recs[0])
 	if !ok {
-		return outs, ctx.Err(), false
+		return outs, ctx.Err(), true // as a BEGIN that ctx cut short would have
 	}
 	defer leave()
 	ctx, woke := c.wakes(ctx)
