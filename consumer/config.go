@@ -131,7 +131,8 @@ type Config struct {
 
 	// Concurrency bounds the transactions in flight across all partitions
 	// and keys; records wait for a slot rather than for a pool connection.
-	// Default: the Pool's MaxConns.
+	// A transaction waiting for its turn behind one that shares a conflict
+	// key (ConflictKeys) holds no slot. Default: the Pool's MaxConns.
 	Concurrency int
 	// GroupConcurrency bounds the transactions in flight across the whole
 	// group instead: each member runs its share, by the partitions of

@@ -1099,16 +1099,11 @@ func (c *Consumer) deliver(ctx context.Context, rec *kgo.Record, src Source, pri
 		if n == 1 && prior != nil {
 			res = *prior
 		} else {
-			sl, slotted := src.(slotter)
-			if slotted && !sl.acquire() {
-				return false
-			}
-			res = c.attempt(ctx, rec, f.attempts+1)
-			if slotted {
-				sl.release()
-			}
+			res = c.attempt(ctx, rec, f.attempts+1, src)
 		}
 		switch {
+		case res.stopped:
+			return false
 		case res.err == nil:
 			src.DatabaseDown(false)
 			if res.duplicate {
@@ -1679,18 +1674,42 @@ type result struct {
 	// contention: the transaction lost to another (deadlock, serialization
 	// failure, lock timeout); retried without spending an attempt.
 	contention bool
+	// stopped: ctx ended, or the worker stopped, before the attempt's
+	// transaction had its turn and a slot; nothing ran.
+	stopped bool
 
 	spanContext trace.SpanContext // the attempt's span
 }
 
 // attempt is the record path: one transaction whose first statement claims
-// the message id; the handler runs only for a new claim; then commit.
-func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (res result) {
-	start := time.Now()
+// the message id; the handler runs only for a new claim; then commit. The
+// transaction first waits for its turn and a slot (enterTx).
+func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int, src Source) (res result) {
 	id, idErr := c.messageID(rec)
 	if idErr != nil {
 		id = c.fallbackID(rec)
 	}
+	var msg *Message
+	var locks []int64
+	var keysErr error
+	if idErr == nil {
+		msg = newMessage(rec, id, attempt)
+		locks, keysErr = c.conflictKeys(nil, msg)
+	}
+	// The record's turn among the member's transactions that share its
+	// keys, then a transaction slot, for a record that gets as far as a
+	// transaction.
+	var ids []int64
+	if idErr == nil && keysErr == nil {
+		ids = c.locking(locks)
+		leave, ok := c.enterTx(ctx, ids, rec, src)
+		if !ok {
+			res.stopped = true
+			return res
+		}
+		defer leave()
+	}
+	start := time.Now()
 	ctx, span := c.startProcessSpan(ctx, rec, id, attempt)
 	defer func() { c.endProcessSpan(ctx, span, rec, start, res) }()
 	res.spanContext = span.SpanContext()
@@ -1699,24 +1718,12 @@ func (c *Consumer) attempt(ctx context.Context, rec *kgo.Record, attempt int) (r
 		return res
 	}
 	res.id = id
-	msg := newMessage(rec, id, attempt)
 	msg.ctx = ctx
-	locks, err := c.conflictKeys(nil, msg)
-	if err != nil {
-		res.err = err
+	if keysErr != nil {
+		res.err = keysErr
 		return res
 	}
-	// The record's turn among the member's transactions that share its
-	// keys; then BEGIN, the claim and the conflict locks travel in one
-	// round trip.
-	ids := c.locking(locks)
-	leave, ok := c.turn(ctx, ids, rec)
-	if !ok {
-		// Ended while waiting: as a BEGIN that ctx cut short would have.
-		res.err, res.infra = ctx.Err(), true
-		return res
-	}
-	defer leave()
+	// BEGIN, the claim and the conflict locks travel in one round trip.
 	ref, redrive := redriveRef(rec)
 	ctx, woke := c.wakes(ctx)
 	tx, claimed, err := c.inbox.BeginClaim(ctx, c.cfg.Pool, dedup.Entry{

@@ -48,12 +48,27 @@ type gateWaiter struct {
 	ready chan struct{} // closed when the waiter holds its keys
 }
 
-// turn waits for the turn of a transaction of rec with the lock ids keys
-// (from lockIDs) in the member's conflictGate, counting a wait in the
-// oncely.consumer.turn_waits metric, and returns the function that ends
-// it. It gives up (false) when ctx ends first.
-func (c *Consumer) turn(ctx context.Context, keys []int64, rec *kgo.Record) (leave func(), ok bool) {
-	return c.gate.enter(ctx, keys, func() { c.metrics.turnWaits.Add(ctx, 1, c.topicAttrs(rec)) })
+// enterTx waits for the turn of a transaction of rec with the lock ids keys
+// (from lockIDs) among the member's transactions that share one
+// (conflictGate), counting a wait in the oncely.consumer.turn_waits metric,
+// then takes a transaction slot (Config.Concurrency) if src is a slotter:
+// waiting for a turn holds no slot, which transactions of other keys can
+// use meanwhile. It returns the function that gives both back, once the
+// transaction has ended; false when ctx ended or the worker stopped first.
+func (c *Consumer) enterTx(ctx context.Context, keys []int64, rec *kgo.Record, src Source) (func(), bool) {
+	leaveGate, ok := c.gate.enter(ctx, keys, func() { c.metrics.turnWaits.Add(ctx, 1, c.topicAttrs(rec)) })
+	if !ok {
+		return nil, false
+	}
+	sl, slotted := src.(slotter)
+	if !slotted {
+		return leaveGate, true
+	}
+	if !sl.acquire() {
+		leaveGate()
+		return nil, false
+	}
+	return func() { sl.release(); leaveGate() }, true
 }
 
 // enter waits until the transaction with the distinct lock ids keys may run,

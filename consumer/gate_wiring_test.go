@@ -144,3 +144,64 @@ func TestSerialWindowTakesTurnsInTheProcess(t *testing.T) {
 	defer leave()
 	deliverWaiting(t, c, gateRecord(1, "m1"))
 }
+
+// slottedSource is a countingSource that takes transaction slots, as the
+// Kafka worker's does: acquire fails once the worker is stopped.
+type slottedSource struct {
+	countingSource
+	stopped bool
+	taken   atomic.Int32
+}
+
+func (s *slottedSource) acquire() bool {
+	if s.stopped {
+		return false
+	}
+	s.taken.Add(1)
+	return true
+}
+
+func (s *slottedSource) release() { s.taken.Add(-1) }
+
+// A record waiting for its turn holds no transaction slot: records of
+// other keys can use it meanwhile.
+func TestWaitingForATurnTakesNoSlot(t *testing.T) {
+	c := gatedPath(t, func(cfg *Config) {
+		cfg.ConflictKeys = func(*Message) []string { return []string{"hot"} }
+	})
+	leave, _ := c.gate.enter(context.Background(), []int64{conflictHash(c.cfg.Schema, "hot")}, nil)
+	defer leave()
+	ctx, cancel := context.WithCancel(context.Background())
+	src := &slottedSource{}
+	done := make(chan bool, 1)
+	go func() { done <- c.Deliver(ctx, gateRecord(1, "m1"), src) }()
+	waitingInGate(t, c, 1)
+	if n := src.taken.Load(); n != 0 {
+		t.Errorf("%d slots held by a record waiting for its turn, want 0", n)
+	}
+	cancel()
+	if <-done {
+		t.Error("Deliver reported the record settled")
+	}
+}
+
+// A worker stopped between a record's turn and its slot gives the turn
+// back: the next transaction with its key is not held up.
+func TestStoppedBeforeASlotGivesTheTurnBack(t *testing.T) {
+	c := gatedPath(t, func(cfg *Config) {
+		cfg.ConflictKeys = func(*Message) []string { return []string{"hot"} }
+	})
+	src := &slottedSource{stopped: true}
+	if c.Deliver(context.Background(), gateRecord(1, "m1"), src) {
+		t.Error("Deliver reported the record settled although the worker stopped")
+	}
+	if s := c.Stats(); s.Retries != 0 || s.DeadLettered != 0 || s.Processed != 0 {
+		t.Errorf("stats %+v: a record stopped before its transaction must count nothing", s)
+	}
+	if src.pauses.Load()+src.retries.Load()+src.deadLetters.Load()+src.settles.Load() != 0 {
+		t.Error("the stopped record's source was asked to pause, retry, dead-letter or settle")
+	}
+	if !now(t, &c.gate, conflictHash(c.cfg.Schema, "hot")) {
+		t.Error("the key is still held after the stopped record gave up its turn")
+	}
+}

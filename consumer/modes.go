@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -218,15 +219,10 @@ func (c *Consumer) runBatch(p *batchPath, b *batch) bool {
 	recs, srcs := b.recs, b.srcs
 	lead := srcs[0]
 	for n, contended := 1, 0; ; n++ {
-		sl, slotted := lead.(slotter)
-		if slotted && !sl.acquire() {
-			return false
-		}
-		outs, err, infra := c.attemptBatch(p.ctx, recs, b.ids, b.msgs, b.locks, p.unordered)
-		if slotted {
-			sl.release()
-		}
+		outs, err, infra := c.attemptBatch(p.ctx, lead, recs, b.ids, b.msgs, b.locks, p.unordered)
 		switch {
+		case errors.Is(err, errStopped):
+			return false
 		case err == nil:
 		case p.ctx.Err() != nil:
 			return false // abandoned: the transaction rolled back
@@ -316,6 +312,10 @@ func (c *Consumer) runBatch(p *batchPath, b *batch) bool {
 	}
 }
 
+// errStopped is attemptBatch's error when ctx ended, or the worker stopped,
+// before the batch had its turn and a slot: nothing ran.
+var errStopped = errors.New("consumer: worker stopped")
+
 // attemptBatch runs one batch transaction: a multi-row inbox claim first,
 // with the conflict-key locks of the batch's records in the same round trip,
 // then the handler for each new record under a savepoint of its own (or the
@@ -324,9 +324,17 @@ func (c *Consumer) runBatch(p *batchPath, b *batch) bool {
 // with its key failed; never when unordered); failed (err set: its effects and claim were rolled
 // back to its savepoint); or committed. A non-nil err means the whole
 // transaction rolled back; infra tells a database failure from a handler's.
-func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []string, msgs []*Message, locks []int64, unordered bool) (outs []result, err error, infra bool) {
-	start := time.Now()
+func (c *Consumer) attemptBatch(ctx context.Context, lead Source, recs []*kgo.Record, ids []string, msgs []*Message, locks []int64, unordered bool) (outs []result, err error, infra bool) {
 	outs = make([]result, len(recs))
+	// The batch's turn among the member's transactions that share its
+	// keys, then a transaction slot of its lead Source's.
+	held, stmts := c.batchLocking(locks)
+	leave, ok := c.enterTx(ctx, held, recs[0], lead)
+	if !ok {
+		return outs, errStopped, false
+	}
+	defer leave()
+	start := time.Now()
 	type span struct {
 		i    int
 		ctx  context.Context
@@ -355,15 +363,7 @@ func (c *Consumer) attemptBatch(ctx context.Context, recs []*kgo.Record, ids []s
 		outs[i].id = ids[i]
 		entries[i] = dedup.Entry{Group: c.cfg.Group, MessageID: ids[i], Topic: rec.Topic, Partition: rec.Partition, Offset: rec.Offset}
 	}
-	// The batch's turn among the member's transactions that share its
-	// keys; then BEGIN, its claim and its conflict locks travel in one
-	// round trip.
-	held, stmts := c.batchLocking(locks)
-	leave, ok := c.turn(ctx, held, recs[0])
-	if !ok {
-		return outs, ctx.Err(), true // as a BEGIN that ctx cut short would have
-	}
-	defer leave()
+	// BEGIN, the batch's claim and its conflict locks travel in one round trip.
 	ctx, woke := c.wakes(ctx)
 	tx, claimed, err := c.inbox.BeginClaimMany(ctx, c.cfg.Pool, c.cfg.Group, entries, stmts...)
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -256,30 +257,40 @@ func (e *env) drain(t *testing.T, m *member, n int64) consumer.Stats {
 // TestConflictingTransactionsTakeTurnsInTheMember: two records of one
 // member, on two partitions, that share a conflict key. While the first
 // one's handler runs, the second waits for its turn in the process: it has
-// no transaction open and waits on no lock in Postgres, and Stats.TurnWaits
-// and the oncely.consumer.turn_waits metric count it. Then both commit, once
-// each. It runs in every consumer mode (make test-modes).
+// no transaction open, waits on no lock in Postgres and holds no transaction
+// slot, and Stats.TurnWaits and the oncely.consumer.turn_waits metric count
+// it. A third record, of another key, produced then, commits meanwhile
+// although the member has only two slots (Concurrency 2). Then all commit,
+// once each. It runs in every consumer mode (make test-modes).
 func TestConflictingTransactionsTakeTurnsInTheMember(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, 2)
+	e := newEnv(t, 3)
 	app := "oncely-turns-" + e.group
 	pool := e.memberPool(t, 4, map[string]string{"application_name": app})
 	entered := make(chan string, 2)
 	release := make(chan struct{})
 	effect := recordEffect("m1")
+	hot := func(msg *consumer.Message) bool { return strings.HasPrefix(msg.ID, "tt-hot") }
 	cfg := e.config("m1", func(ctx context.Context, tx pgx.Tx, msg *consumer.Message) error {
-		entered <- msg.ID
-		select {
-		case <-release:
-		case <-ctx.Done():
-			return ctx.Err()
+		if hot(msg) {
+			entered <- msg.ID
+			select {
+			case <-release:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
 		}
 		return effect(ctx, tx, msg)
 	})
 	tl := newTel(t)
-	cfg.Pool, cfg.MeterProvider = pool, tl.mp
-	cfg.ConflictKeys = func(*consumer.Message) []string { return []string{"hot-row"} }
-	e.produce(t, []msg{{id: "tt-0", partition: 0, key: "a"}, {id: "tt-1", partition: 1, key: "b"}})
+	cfg.Pool, cfg.MeterProvider, cfg.Concurrency = pool, tl.mp, 2
+	cfg.ConflictKeys = func(msg *consumer.Message) []string {
+		if hot(msg) {
+			return []string{"hot-row"}
+		}
+		return []string{"cold-row"}
+	}
+	e.produce(t, []msg{{id: "tt-hot-0", partition: 0, key: "a"}, {id: "tt-hot-1", partition: 1, key: "b"}})
 	m := e.start(context.Background(), cfg)
 
 	var first string
@@ -302,8 +313,14 @@ func TestConflictingTransactionsTakeTurnsInTheMember(t *testing.T) {
 	if n := e.count(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) WHERE a.application_name = $1 AND NOT l.granted`, app); n != 0 {
 		t.Errorf("%d locks of the member waited for in Postgres, want 0", n)
 	}
+	// One slot runs the first record; the waiting one holds none, so the
+	// cold record takes the other.
+	e.produce(t, []msg{{id: "tt-cold", partition: 2, key: "c"}})
+	eventually(t, 30*time.Second, "the record of another key committed while the first ran", func() bool {
+		return e.count(t, `SELECT count(*) FROM effects WHERE message_id = 'tt-cold'`) == 1
+	})
 	close(release)
-	s := e.drain(t, m, 2)
+	s := e.drain(t, m, 3)
 	if s.TurnWaits < 1 || s.Contention != 0 || s.DeadLettered != 0 {
 		t.Errorf("stats %+v: want a turn waited, no contention, nothing dead-lettered", s)
 	}
