@@ -2,9 +2,11 @@ package integration_test
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -257,16 +259,13 @@ func TestRelayParksTheRowsTheBrokerRefusedAmongPartitions(t *testing.T) {
 	}
 }
 
-// TestRelayRetryPublishesParkedRowThenItsSuccessors: the topic's
-// max.message.bytes refuses one row; the rows sharing its Kafka batch are
-// published, it is parked, and the rows of its key enqueued with it and
-// after it wait. Once the limit is raised, Retry publishes it and then its
-// successors, in order.
-func TestRelayRetryPublishesParkedRowThenItsSuccessors(t *testing.T) {
-	t.Parallel()
+// smallTopicEnv returns an env, a context of two minutes, an admin client
+// and a topic of one partition whose max.message.bytes is 4096.
+func smallTopicEnv(t *testing.T) (*env, context.Context, *kadm.Client, string) {
+	t.Helper()
 	e := newEnv(t, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	t.Cleanup(cancel)
 	adm := kadm.NewClient(e.kafka.Client(t))
 	limit := "4096"
 	small, err := adm.CreateTopic(ctx, 1, 1, map[string]*string{"max.message.bytes": &limit}, e.topic+"_small")
@@ -276,7 +275,26 @@ func TestRelayRetryPublishesParkedRowThenItsSuccessors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	topic := small.Topic
+	return e, ctx, adm, small.Topic
+}
+
+// raiseLimit lets topic take messages of up to 2 MB.
+func raiseLimit(ctx context.Context, t *testing.T, adm *kadm.Client, topic string) {
+	t.Helper()
+	raised := "2000000"
+	if _, err := adm.AlterTopicConfigs(ctx, []kadm.AlterConfig{{Name: "max.message.bytes", Value: &raised}}, topic); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRelayRetryPublishesParkedRowThenItsSuccessors: the topic's
+// max.message.bytes refuses one row; the rows sharing its Kafka batch are
+// published, it is parked, and the rows of its key enqueued with it and
+// after it wait. Once the limit is raised, Retry publishes it and then its
+// successors, in order.
+func TestRelayRetryPublishesParkedRowThenItsSuccessors(t *testing.T) {
+	t.Parallel()
+	e, ctx, adm, topic := smallTopicEnv(t)
 	o, relay := e.oneShard(ctx, t, nil)
 
 	var msgs []outbox.Message
@@ -306,10 +324,7 @@ func TestRelayRetryPublishesParkedRowThenItsSuccessors(t *testing.T) {
 		t.Fatalf("stats %+v after a retry the broker still refuses: nothing more may be published", s)
 	}
 
-	raised := "2000000"
-	if _, err := adm.AlterTopicConfigs(ctx, []kadm.AlterConfig{{Name: "max.message.bytes", Value: &raised}}, topic); err != nil {
-		t.Fatal(err)
-	}
+	raiseLimit(ctx, t, adm, topic)
 	if n, err := o.RetryAll(ctx, e.db.Pool); err != nil || n != 1 {
 		t.Fatalf("retry all: %d, %v; want 1", n, err)
 	}
@@ -428,5 +443,130 @@ func TestRelayParksOnTopicAuthorizationButWaitsOutTransientErrors(t *testing.T) 
 	}
 	if s := relay.Stats(); s.Parked != 1 {
 		t.Errorf("stats %+v: a transient error must not park", s)
+	}
+}
+
+// refusalRace is a producer hook that holds the buffering of the record
+// whose value is successor until the client has failed the record of key
+// whose value is larger than limit, at most a second: the moment at which
+// a producer that sends records as they come would send the successor
+// after its predecessor was refused.
+type refusalRace struct {
+	key, successor string
+	limit          int
+	refused        chan struct{}
+	once           atomic.Bool
+	raced          atomic.Bool
+}
+
+func (h *refusalRace) OnProduceRecordBuffered(r *kgo.Record) {
+	if string(r.Value) != h.successor || !h.once.CompareAndSwap(false, true) {
+		return
+	}
+	select {
+	case <-h.refused:
+		h.raced.Store(true)
+	case <-time.After(time.Second):
+	}
+}
+
+func (h *refusalRace) OnProduceRecordUnbuffered(r *kgo.Record, err error) {
+	if err != nil && string(r.Key) == h.key && len(r.Value) > h.limit {
+		select {
+		case <-h.refused:
+		default:
+			close(h.refused)
+		}
+	}
+}
+
+// sentValues lists the values of the uncompressed record batches of a
+// produce request's partition, or nil for a compressed one.
+func sentValues(rp kmsg.ProduceRequestTopicPartition) []string {
+	var b kmsg.RecordBatch
+	if b.ReadFrom(rp.Records) != nil || b.Attributes&7 != 0 {
+		return nil
+	}
+	var vals []string
+	for src := b.Records; len(src) > 0; {
+		var r kmsg.Record
+		l, n := binary.Varint(src)
+		if n <= 0 || r.ReadFrom(src) != nil {
+			return vals
+		}
+		vals = append(vals, string(r.Value))
+		src = src[n+int(l):]
+	}
+	return vals
+}
+
+// TestRelayLetsNoSuccessorPastARefusedRow: the broker refuses a row for
+// good while rows of its key after it are on their way: handed to the
+// producer only after the refusal came back, or sent in a batch of their
+// own before it. None may reach the topic before it: they stay pending
+// behind the parked row, and once it is retried the key reads in order,
+// each row once.
+func TestRelayLetsNoSuccessorPastARefusedRow(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		// inFlight: b-3 goes in a batch of its own, sent while the batch
+		// before it awaits its answer (a row of another key published
+		// first lets the producer pipeline).
+		inFlight bool
+	}{{"buffered after the refusal", false}, {"sent behind it", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e, ctx, adm, topic := smallTopicEnv(t)
+			var sentEarly atomic.Bool // b-3 reached the broker in a batch of its own before the retry
+			var retried atomic.Bool
+			e.kafka.Cluster.ControlKey(kmsg.Produce.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+				e.kafka.Cluster.KeepControl()
+				for _, rt := range req.(*kmsg.ProduceRequest).Topics {
+					for _, rp := range rt.Partitions {
+						vals := sentValues(rp)
+						big := slices.ContainsFunc(vals, func(v string) bool { return len(v) > 4096 })
+						if slices.Contains(vals, "b-3") && !big && !retried.Load() {
+							sentEarly.Store(true)
+						}
+					}
+				}
+				return nil, nil, false
+			})
+			race := &refusalRace{key: "b", successor: "b-2", limit: 4096, refused: make(chan struct{})}
+			o, relay := e.oneShard(ctx, t, func(c *outbox.RelayConfig) {
+				c.ClientOpts = append(c.ClientOpts, kgo.WithHooks(race), kgo.ProducerBatchCompression(kgo.NoCompression()))
+				if tc.inFlight {
+					// The big row and b-2 fill a batch; b-3 needs another.
+					c.ClientOpts = append(c.ClientOpts, kgo.ProducerBatchMaxBytes(8200))
+				}
+			})
+			published := int64(0)
+			if tc.inFlight {
+				enqueueWith(t, ctx, e, o, outbox.Message{Topic: topic, Key: []byte("a"), Value: []byte("a-1")})
+				eventually(t, time.Minute, "the first row published", func() bool { return relay.Stats().Published == 1 })
+				published = 1
+			}
+			enqueueWith(t, ctx, e, o, outbox.Message{Topic: topic, Key: []byte("b"), Value: noise(8000)},
+				outbox.Message{Topic: topic, Key: []byte("b"), Value: []byte("b-2")},
+				outbox.Message{Topic: topic, Key: []byte("b"), Value: []byte("b-3")})
+			eventually(t, time.Minute, "the big row parked", func() bool { return relay.Stats().Parked == 1 })
+			t.Logf("the refusal came back before b-2 was buffered: %v; b-3 reached the broker without it before the retry: %v",
+				race.raced.Load(), sentEarly.Load())
+			if s := relay.Stats(); s.Published != published {
+				t.Fatalf("stats %+v: nothing of key b may be published while its first row is refused", s)
+			}
+
+			raiseLimit(ctx, t, adm, topic)
+			retried.Store(true)
+			if n, err := o.RetryAll(ctx, e.db.Pool); err != nil || n != 1 {
+				t.Fatalf("retry all: %d, %v; want 1", n, err)
+			}
+			waitDrained(t, e, o)
+			recs := e.readTopic(t, topic, func(r []*kgo.Record) bool { return len(byKey(r)["b"]) >= 3 })
+			if got, want := byKey(recs)["b"], []string{"<8000 bytes>", "b-2", "b-3"}; fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("key b on the topic: %v; want %v", got, want)
+			}
+		})
 	}
 }

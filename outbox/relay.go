@@ -261,7 +261,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			kgo.SeedBrokers(r.cfg.Brokers...),
 			kgo.RequiredAcks(kgo.AllISRAcks()), // idempotent by default
 			kgo.RecordDeliveryTimeout(r.cfg.ProduceTimeout),
-			kgo.ProducerLinger(0),
+			// Publish buffers a whole batch before it sends any (see there).
+			kgo.ManualFlushing(),
+			kgo.MaxBufferedRecords(max(r.cfg.BatchSize, 10_000)),
 			kgo.ClientID(r.cfg.ClientID),
 		}, r.cfg.ClientOpts...)...)
 		if err != nil {
@@ -545,7 +547,8 @@ func (r *Relay) produce(ctx context.Context, pub Publisher, ids []int64, recs []
 		switch {
 		case held(i):
 			// An earlier row of its key failed: it stays pending and goes
-			// again after that one (downstream inboxes dedup a republish).
+			// again after that one. (A Publisher keeps it off the broker
+			// meanwhile; see Publisher.Publish.)
 		case res == nil:
 			ok = append(ok, ids[i])
 		case pub.Permanent(res):
@@ -631,7 +634,11 @@ type Publisher interface {
 	System() string
 	// Publish writes recs (Topic: the destination; Headers include
 	// MessageIDHeader, the row's stable id) and returns an error per
-	// record, in order: nil once the broker confirmed it durable.
+	// record, in order: nil once the broker confirmed it durable. Once a
+	// record fails, no later record of its (topic, key) in recs may reach
+	// the broker: the relay publishes them again after it, and a copy
+	// already there would be read first. Publishing in order and failing
+	// the rest after the first error keeps that.
 	Publish(ctx context.Context, recs []*kgo.Record) []error
 	// Refuse returns why the broker would refuse rec for good, checked
 	// before publishing; nil if it may go.
@@ -646,18 +653,28 @@ type kafkaPublisher struct{ cl *kgo.Client }
 
 func (kafkaPublisher) System() string { return "kafka" }
 
-// Publish produces recs in one call. (ProduceSync lists results in the
-// order the records completed, which differs from the order given as soon
-// as they go to several partitions.)
+// Publish buffers every record of recs, then flushes them (the client
+// flushes manually). Nothing goes out before the last record is buffered,
+// so when the broker refuses a batch, the client fails every later batch
+// of that partition with it: a row of a key never reaches the topic after
+// an earlier row of its key was refused. (Sending records as they are
+// buffered would let a row buffered after the refusal came back go out
+// under a fresh producer epoch, ahead of the row it follows.)
 func (p kafkaPublisher) Publish(ctx context.Context, recs []*kgo.Record) []error {
-	at := make(map[*kgo.Record]int, len(recs))
-	for j, rec := range recs {
-		at[rec] = j
-	}
 	errs := make([]error, len(recs))
-	for _, res := range p.cl.ProduceSync(ctx, recs...) {
-		errs[at[res.Record]] = res.Err
+	var wg sync.WaitGroup
+	wg.Add(len(recs))
+	for j, rec := range recs {
+		p.cl.Produce(ctx, rec, func(_ *kgo.Record, err error) {
+			errs[j] = err
+			wg.Done()
+		})
 	}
+	// Flushing lasts until every record is settled: a manually flushed
+	// client sends nothing, so fails nothing for its delivery timeout or
+	// its context, once no flush is running.
+	_ = p.cl.Flush(context.WithoutCancel(ctx))
+	wg.Wait()
 	return errs
 }
 
