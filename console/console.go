@@ -180,7 +180,8 @@ type Console struct {
 
 // Run samples consumer lag and brings the dead-letter index (Kafka's
 // topics, JetStream's streams) up to date every Config.SampleInterval
-// until ctx is done, then returns nil; it lists a RabbitMQ dead-letter
+// until ctx is done, then returns nil once the read of a place in flight
+// ended (each is bounded by Config.Timeout); it lists a RabbitMQ dead-letter
 // queue again (the pages' snapshot of it) when its count changed, or its
 // snapshot is a minute old. Without Run the pages do all this when
 // viewed: the lag trend then has the overview's views as its samples, and
@@ -209,6 +210,10 @@ func (c *Console) Run(ctx context.Context) error {
 
 // sample is one round of Run.
 func (s *server) sample(ctx context.Context) error {
+	// A read of a place runs to its end (bounded by Timeout) when ctx is
+	// done meanwhile: Run leaves none running behind it.
+	reads, cancelReads := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.Timeout)
+	defer cancelReads()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()
 	var err error
@@ -227,9 +232,12 @@ func (s *server) sample(ctx context.Context) error {
 		places, perr := src.places(ctx)
 		err = errors.Join(err, perr)
 		for _, p := range places {
+			if ctx.Err() != nil {
+				break
+			}
 			// Up to date (a RabbitMQ queue listed only when its snapshot
 			// is stale), in the background the views share.
-			if _, _, serr := src.view(ctx, p, 0); serr != nil {
+			if _, _, serr := src.view(reads, p, 0); serr != nil {
 				err = errors.Join(err, serr)
 			}
 		}
