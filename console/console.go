@@ -180,8 +180,8 @@ type Console struct {
 
 // Run samples consumer lag and brings the dead-letter index (Kafka's
 // topics, JetStream's streams) up to date every Config.SampleInterval
-// until ctx is done, then returns nil once the read of a place in flight
-// ended (each is bounded by Config.Timeout); it lists a RabbitMQ dead-letter
+// until ctx is done, then returns nil once the read of a place it waits
+// for has ended, or its round has run Config.Timeout; it lists a RabbitMQ dead-letter
 // queue again (the pages' snapshot of it) when its count changed, or its
 // snapshot is a minute old. Without Run the pages do all this when
 // viewed: the lag trend then has the overview's views as its samples, and
@@ -209,12 +209,15 @@ func (c *Console) Run(ctx context.Context) error {
 }
 
 // sample is one round of Run.
-func (s *server) sample(ctx context.Context) error {
-	// A read of a place runs to its end (bounded by Timeout) when ctx is
-	// done meanwhile: Run leaves none running behind it.
-	reads, cancelReads := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.Timeout)
+func (s *server) sample(run context.Context) error {
+	// The round waits for its reads of places on a context of their own,
+	// which Run's end does not cut short: stopped while it waits for one,
+	// Run returns after that read has ended, not while it goes on. Past
+	// the round's Timeout the round stops waiting (the read goes on in the
+	// background, within a Timeout of its own), as it did before.
+	reads, cancelReads := context.WithTimeout(context.WithoutCancel(run), s.cfg.Timeout)
 	defer cancelReads()
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	ctx, cancel := context.WithTimeout(run, s.cfg.Timeout)
 	defer cancel()
 	var err error
 	if len(s.cfg.KafkaOpts) > 0 {
@@ -232,8 +235,8 @@ func (s *server) sample(ctx context.Context) error {
 		places, perr := src.places(ctx)
 		err = errors.Join(err, perr)
 		for _, p := range places {
-			if ctx.Err() != nil {
-				break
+			if run.Err() != nil {
+				break // stopped: no new read
 			}
 			// Up to date (a RabbitMQ queue listed only when its snapshot
 			// is stale), in the background the views share.
