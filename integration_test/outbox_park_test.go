@@ -446,20 +446,22 @@ func TestRelayParksOnTopicAuthorizationButWaitsOutTransientErrors(t *testing.T) 
 	}
 }
 
-// refusalRace is a producer hook that holds the buffering of the record
-// whose value is successor until the client has failed the record of key
-// whose value is larger than limit, at most a second: the moment at which
-// a producer that sends records as they come would send the successor
-// after its predecessor was refused.
+// refusalRace holds the record whose value is successor, when the client
+// buffers it (a hook) or partitions it (a partitioner, as when its topic's
+// partitions were not known yet at Produce), until the client has failed
+// the record of key whose value is larger than limit, at most a second:
+// the moment at which a producer that sends records as they come would
+// send the successor after its predecessor was refused.
 type refusalRace struct {
 	key, successor string
 	limit          int
+	partitioning   bool // hold it while it is partitioned, not buffered
 	refused        chan struct{}
 	once           atomic.Bool
 	raced          atomic.Bool
 }
 
-func (h *refusalRace) OnProduceRecordBuffered(r *kgo.Record) {
+func (h *refusalRace) hold(r *kgo.Record) {
 	if string(r.Value) != h.successor || !h.once.CompareAndSwap(false, true) {
 		return
 	}
@@ -467,6 +469,12 @@ func (h *refusalRace) OnProduceRecordBuffered(r *kgo.Record) {
 	case <-h.refused:
 		h.raced.Store(true)
 	case <-time.After(time.Second):
+	}
+}
+
+func (h *refusalRace) OnProduceRecordBuffered(r *kgo.Record) {
+	if !h.partitioning {
+		h.hold(r)
 	}
 }
 
@@ -478,6 +486,16 @@ func (h *refusalRace) OnProduceRecordUnbuffered(r *kgo.Record, err error) {
 			close(h.refused)
 		}
 	}
+}
+
+// The partitioner: every record to partition 0.
+func (h *refusalRace) ForTopic(string) kgo.TopicPartitioner { return h }
+func (h *refusalRace) RequiresConsistency(*kgo.Record) bool { return true }
+func (h *refusalRace) Partition(r *kgo.Record, _ int) int {
+	if h.partitioning {
+		h.hold(r)
+	}
+	return 0
 }
 
 // sentValues lists the values of the uncompressed record batches of a
@@ -514,7 +532,10 @@ func TestRelayLetsNoSuccessorPastARefusedRow(t *testing.T) {
 		// before it awaits its answer (a row of another key published
 		// first lets the producer pipeline).
 		inFlight bool
-	}{{"buffered after the refusal", false}, {"sent behind it", true}} {
+		// partitioning: b-2 is held while it is partitioned, which for a
+		// topic the client did not know yet happens after Produce returned.
+		partitioning bool
+	}{{"buffered after the refusal", false, false}, {"sent behind it", true, false}, {"partitioned after the refusal", false, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			e, ctx, adm, topic := smallTopicEnv(t)
@@ -533,9 +554,10 @@ func TestRelayLetsNoSuccessorPastARefusedRow(t *testing.T) {
 				}
 				return nil, nil, false
 			})
-			race := &refusalRace{key: "b", successor: "b-2", limit: 4096, refused: make(chan struct{})}
+			race := &refusalRace{key: "b", successor: "b-2", limit: 4096, partitioning: tc.partitioning, refused: make(chan struct{})}
 			o, relay := e.oneShard(ctx, t, func(c *outbox.RelayConfig) {
-				c.ClientOpts = append(c.ClientOpts, kgo.WithHooks(race), kgo.ProducerBatchCompression(kgo.NoCompression()))
+				c.ClientOpts = append(c.ClientOpts, kgo.WithHooks(race), kgo.RecordPartitioner(race),
+					kgo.ProducerBatchCompression(kgo.NoCompression()))
 				if tc.inFlight {
 					// The big row and b-2 fill a batch; b-3 needs another.
 					c.ClientOpts = append(c.ClientOpts, kgo.ProducerBatchMaxBytes(8200))
@@ -551,7 +573,7 @@ func TestRelayLetsNoSuccessorPastARefusedRow(t *testing.T) {
 				outbox.Message{Topic: topic, Key: []byte("b"), Value: []byte("b-2")},
 				outbox.Message{Topic: topic, Key: []byte("b"), Value: []byte("b-3")})
 			eventually(t, time.Minute, "the big row parked", func() bool { return relay.Stats().Parked == 1 })
-			t.Logf("the refusal came back before b-2 was buffered: %v; b-3 reached the broker without it before the retry: %v",
+			t.Logf("the refusal came back before b-2 was buffered or partitioned: %v; b-3 reached the broker without it before the retry: %v",
 				race.raced.Load(), sentEarly.Load())
 			if s := relay.Stats(); s.Published != published {
 				t.Fatalf("stats %+v: nothing of key b may be published while its first row is refused", s)
@@ -568,5 +590,35 @@ func TestRelayLetsNoSuccessorPastARefusedRow(t *testing.T) {
 				t.Fatalf("key b on the topic: %v; want %v", got, want)
 			}
 		})
+	}
+}
+
+// TestRelayPublishesWithinTheClientsBuffer: ClientOpts that bound the
+// producer's buffer (MaxBufferedRecords, MaxBufferedBytes) below a batch
+// of rows: the relay publishes the batch in parts that fit, every row
+// once, each key in order, with no failed produce. (Handed over whole, a
+// row that does not fit beside the others would fail at once while a
+// later, smaller row of its key went out.)
+func TestRelayPublishesWithinTheClientsBuffer(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	o, relay := e.oneShard(ctx, t, func(c *outbox.RelayConfig) {
+		c.ClientOpts = append(c.ClientOpts, kgo.MaxBufferedBytes(10_000), kgo.MaxBufferedRecords(2))
+	})
+	enqueueWith(t, ctx, e, o, outbox.Message{Topic: e.topic, Key: []byte("x"), Value: noise(5000)},
+		outbox.Message{Topic: e.topic, Key: []byte("b"), Value: noise(6000)},
+		outbox.Message{Topic: e.topic, Key: []byte("b"), Value: []byte("b-2")},
+		outbox.Message{Topic: e.topic, Key: []byte("b"), Value: []byte("b-3")},
+		outbox.Message{Topic: e.topic, Key: []byte("b"), Value: []byte("b-4")})
+	waitDrained(t, e, o)
+	recs := e.readTopic(t, e.topic, func(r []*kgo.Record) bool { return len(r) >= 5 })
+	got := byKey(recs)
+	if fmt.Sprint(got["b"]) != "[<6000 bytes> b-2 b-3 b-4]" || fmt.Sprint(got["x"]) != "[<5000 bytes>]" {
+		t.Fatalf("on the topic: %v; want x once, and b's four rows in order", got)
+	}
+	if s := relay.Stats(); s.Published != 5 || s.ProduceErrors != 0 || s.Parked != 0 {
+		t.Fatalf("stats %+v; want 5 published, nothing failed or parked", s)
 	}
 }

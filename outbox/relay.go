@@ -57,7 +57,8 @@ type RelayConfig struct {
 	// NotifyDebounce gathers notifications arriving close together into
 	// one wake-up. Default 5ms.
 	NotifyDebounce time.Duration
-	// ProduceTimeout bounds one batch's produce (at least 1s). Default 10s.
+	// ProduceTimeout bounds one batch's produce (at least 1s), but for a
+	// produce request whose answer was lost (see Run). Default 10s.
 	ProduceTimeout time.Duration
 	// RetryBaseDelay and RetryMaxDelay shape the per-shard backoff after a
 	// failed publish. Defaults 100ms and 10s.
@@ -248,7 +249,11 @@ func (r *Relay) NotReady() string {
 }
 
 // Run publishes until ctx is done, then returns nil after the batch in
-// flight (bounded by ProduceTimeout). It may be called once.
+// flight: within ProduceTimeout, unless a produce request was written and
+// its answer lost (the connection dropped, or the broker stopped
+// answering). The idempotent Kafka producer cannot tell whether such a
+// batch was written, so it retries it until a broker answers rather than
+// fail its records. It may be called once.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.started.CompareAndSwap(false, true) {
 		return errors.New("outbox: Relay.Run called more than once")
@@ -257,6 +262,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	var cl *kgo.Client
 	if pub == nil {
 		var err error
+		queued := &queuedHook{}
 		cl, err = kgo.NewClient(append([]kgo.Opt{
 			kgo.SeedBrokers(r.cfg.Brokers...),
 			kgo.RequiredAcks(kgo.AllISRAcks()), // idempotent by default
@@ -264,13 +270,14 @@ func (r *Relay) Run(ctx context.Context) error {
 			// Publish buffers a whole batch before it sends any (see there).
 			kgo.ManualFlushing(),
 			kgo.MaxBufferedRecords(max(r.cfg.BatchSize, 10_000)),
+			kgo.WithHooks(queued),
 			kgo.ClientID(r.cfg.ClientID),
 		}, r.cfg.ClientOpts...)...)
 		if err != nil {
 			return fmt.Errorf("outbox: kafka client: %w", err)
 		}
 		defer cl.Close()
-		pub = kafkaPublisher{cl}
+		pub = kafkaPublisher{cl, queued}
 		// Not ready until a broker answered: set before running, so that
 		// no moment of running shows the state of no check at all as
 		// ready.
@@ -649,34 +656,106 @@ type Publisher interface {
 }
 
 // kafkaPublisher produces to Kafka with all in-sync replicas' acks.
-type kafkaPublisher struct{ cl *kgo.Client }
+type kafkaPublisher struct {
+	cl     *kgo.Client
+	queued *queuedHook
+}
 
 func (kafkaPublisher) System() string { return "kafka" }
 
-// Publish buffers every record of recs, then flushes them (the client
-// flushes manually). Nothing goes out before the last record is buffered,
-// so when the broker refuses a batch, the client fails every later batch
-// of that partition with it: a row of a key never reaches the topic after
-// an earlier row of its key was refused. (Sending records as they are
-// buffered would let a row buffered after the refusal came back go out
-// under a fresh producer epoch, ahead of the row it follows.)
+// Publish hands every record of recs to the client, waits until the client
+// has queued each for its partition (or failed it), and then flushes them
+// (the client flushes manually). Nothing goes out before the last record
+// is queued, so when the broker refuses a batch, the client fails every
+// later batch of that partition with it: a row of a key never reaches the
+// topic after an earlier row of its key was refused. (Sending records as
+// they are queued would let one queued after the refusal came back go out
+// under a fresh producer epoch, ahead of the row it follows; the records
+// of a topic the client has not loaded yet are queued only once its
+// partitions are known, after Produce returned.)
+//
+// The records go in parts that fit the client's buffer (MaxBufferedRecords,
+// MaxBufferedBytes, which ClientOpts may set), one part at a time; a record
+// whose (topic, key) failed in an earlier part is not sent.
 func (p kafkaPublisher) Publish(ctx context.Context, recs []*kgo.Record) []error {
 	errs := make([]error, len(recs))
-	var wg sync.WaitGroup
-	wg.Add(len(recs))
-	for j, rec := range recs {
+	maxRecs, _ := p.cl.OptValue(kgo.MaxBufferedRecords).(int64)
+	maxBytes, _ := p.cl.OptValue(kgo.MaxBufferedBytes).(int64)
+	failed := map[string]bool{}
+	for start := 0; start < len(recs); {
+		end, bytes := start, int64(0)
+		for end < len(recs) && (maxRecs <= 0 || int64(end-start) < maxRecs) {
+			n := recordBytes(recs[end])
+			if maxBytes > 0 && end > start && bytes+n > maxBytes {
+				break
+			}
+			bytes += n
+			end++
+		}
+		part := make([]int, 0, end-start)
+		for i := start; i < end; i++ {
+			if recs[i].Key != nil && failed[keyOf(recs[i])] {
+				errs[i] = errHeldBack
+				continue
+			}
+			part = append(part, i)
+		}
+		p.produce(ctx, recs, part, errs)
+		for _, i := range part {
+			if errs[i] != nil && recs[i].Key != nil {
+				failed[keyOf(recs[i])] = true
+			}
+		}
+		start = end
+	}
+	return errs
+}
+
+// errHeldBack is the error of a record not sent because an earlier record
+// of its (topic, key) failed in the same Publish.
+var errHeldBack = errors.New("outbox: not sent: an earlier record of its key failed")
+
+// produce publishes recs[idx...], setting their errors in errs: all queued,
+// then flushed (see Publish).
+func (p kafkaPublisher) produce(ctx context.Context, recs []*kgo.Record, idx []int, errs []error) {
+	var queued, done sync.WaitGroup
+	queued.Add(len(idx))
+	done.Add(len(idx))
+	for _, i := range idx {
+		rec := recs[i]
+		p.queued.expect(rec, queued.Done)
 		p.cl.Produce(ctx, rec, func(_ *kgo.Record, err error) {
-			errs[j] = err
-			wg.Done()
+			errs[i] = err
+			p.queued.settle(rec) // failed before it was queued
+			done.Done()
 		})
 	}
+	// Each record is queued or failed within its delivery timeout or its
+	// context (ProduceTimeout), whether its topic is known or not.
+	queued.Wait()
 	// Flushing lasts until every record is settled: a manually flushed
 	// client sends nothing, so fails nothing for its delivery timeout or
 	// its context, once no flush is running.
 	_ = p.cl.Flush(context.WithoutCancel(ctx))
-	wg.Wait()
-	return errs
+	done.Wait()
 }
+
+// queuedHook calls the function expected for a record once the client has
+// queued it for its partition (HookProduceRecordPartitioned), or, through
+// settle, once it failed first.
+type queuedHook struct{ m sync.Map } // *kgo.Record: func()
+
+func (h *queuedHook) expect(rec *kgo.Record, fn func()) { h.m.Store(rec, fn) }
+
+func (h *queuedHook) settle(rec *kgo.Record) {
+	if fn, ok := h.m.LoadAndDelete(rec); ok {
+		fn.(func())()
+	}
+}
+
+// OnProduceRecordPartitioned is called with the partition's buffer locked:
+// it only counts.
+func (h *queuedHook) OnProduceRecordPartitioned(rec *kgo.Record, _ int32) { h.settle(rec) }
 
 func (kafkaPublisher) Permanent(err error) bool { return permanent(err) }
 
