@@ -665,14 +665,18 @@ func (kafkaPublisher) System() string { return "kafka" }
 
 // Publish hands every record of recs to the client, waits until the client
 // has queued each for its partition (or failed it), and then flushes them
-// (the client flushes manually). Nothing goes out before the last record
-// is queued, so when the broker refuses a batch, the client fails every
-// later batch of that partition with it: a row of a key never reaches the
+// (the client flushes manually). So nothing goes out before the last record
+// is queued, and when the broker refuses a batch, the client fails every
+// later batch of that partition with it: a row of a key does not reach the
 // topic after an earlier row of its key was refused. (Sending records as
 // they are queued would let one queued after the refusal came back go out
 // under a fresh producer epoch, ahead of the row it follows; the records
 // of a topic the client has not loaded yet are queued only once its
-// partitions are known, after Produce returned.)
+// partitions are known, after Produce returned.) One narrow case remains:
+// the client's sending loop for a broker can outlive a Flush when it was
+// backing off after a retriable error while its records were settled
+// otherwise (timed out, moved to another broker), and it then sends what
+// the next call queues as it is queued.
 //
 // The records go in parts that fit the client's buffer (MaxBufferedRecords,
 // MaxBufferedBytes, which ClientOpts may set), one part at a time; a record
