@@ -5,9 +5,11 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -620,5 +622,60 @@ func TestRelayPublishesWithinTheClientsBuffer(t *testing.T) {
 	}
 	if s := relay.Stats(); s.Published != 5 || s.ProduceErrors != 0 || s.Parked != 0 {
 		t.Fatalf("stats %+v; want 5 published, nothing failed or parked", s)
+	}
+}
+
+// unorderedPublisher breaks Publisher.Publish's promise once: in its first
+// call it fails the first record (transiently) and confirms the second.
+type unorderedPublisher struct {
+	mu    sync.Mutex
+	calls int
+	sent  []string // values confirmed, in order
+}
+
+var errFlaky = errors.New("flaky")
+
+func (*unorderedPublisher) System() string           { return "fake" }
+func (*unorderedPublisher) Refuse(*kgo.Record) error { return nil }
+func (*unorderedPublisher) Permanent(err error) bool { return false }
+func (p *unorderedPublisher) Publish(_ context.Context, recs []*kgo.Record) []error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.calls++
+	errs := make([]error, len(recs))
+	for i, r := range recs {
+		if p.calls == 1 && i == 0 {
+			errs[i] = errFlaky
+			continue
+		}
+		p.sent = append(p.sent, string(r.Value))
+	}
+	return errs
+}
+
+// TestRelaySaysWhenAPublisherLetARowPastAFailedOne: a Publisher confirms a
+// row although an earlier row of its key failed in the same call. The relay
+// logs it as an error, keeps the row pending and publishes it again after
+// the one it follows.
+func TestRelaySaysWhenAPublisherLetARowPastAFailedOne(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pub, logs := &unorderedPublisher{}, &lockedBuffer{}
+	o, relay := e.oneShard(ctx, t, func(c *outbox.RelayConfig) {
+		c.Publisher, c.Logger = pub, slog.New(slog.NewTextHandler(logs, nil))
+	})
+	enqueueWith(t, ctx, e, o, outbox.Message{Topic: e.topic, Key: []byte("a"), Value: []byte("a-1")},
+		outbox.Message{Topic: e.topic, Key: []byte("a"), Value: []byte("a-2")})
+	waitDrained(t, e, o)
+	pub.mu.Lock()
+	sent := fmt.Sprint(pub.sent)
+	pub.mu.Unlock()
+	if sent != "[a-2 a-1 a-2]" || relay.Stats().Published != 2 {
+		t.Fatalf("confirmed %s, stats %+v; want [a-2 a-1 a-2] and 2 published", sent, relay.Stats())
+	}
+	if n := strings.Count(logs.String(), "ahead of an earlier row of its key"); n != 1 {
+		t.Fatalf("%d error lines for the row let past; want 1. Logs:\n%s", n, logs.String())
 	}
 }

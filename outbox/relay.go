@@ -555,7 +555,13 @@ func (r *Relay) produce(ctx context.Context, pub Publisher, ids []int64, recs []
 		case held(i):
 			// An earlier row of its key failed: it stays pending and goes
 			// again after that one. (A Publisher keeps it off the broker
-			// meanwhile; see Publisher.Publish.)
+			// meanwhile; see Publisher.Publish. Should one fail to, say so:
+			// consumers read it before that row, and again after it.)
+			if res == nil {
+				r.cfg.Logger.Error("oncely outbox: a row reached the broker ahead of an earlier row of its key that failed; "+
+					"it is published again after that row", "id", ids[i],
+					"message_id", (telemetry.Carrier{Headers: &recs[i].Headers}).Get(MessageIDHeader), "topic", recs[i].Topic)
+			}
 		case res == nil:
 			ok = append(ok, ids[i])
 		case pub.Permanent(res):
