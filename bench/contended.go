@@ -596,7 +596,7 @@ func (e *env) runContendedKafka(ctx context.Context, s cspec, members int) (res 
 	res.elapsed = time.Duration(c.rec.lastDone.Load() - c.rec.firstTx.Load())
 	res.perTx = float64(s.n) / float64(max(c.rec.txs.Load(), 1))
 
-	reached := c.rec.expect(int64(total))
+	reached := c.rec.expectLatencies(int64(total))
 	if err := p.paced(ctx, s.n, total, e.opts.latencyRate); err != nil {
 		res.err = fmt.Errorf("latency phase: %w", errors.Join(err, stopRun()))
 		finish()

@@ -138,7 +138,7 @@ func (e *env) runKafka(ctx context.Context, m kafkaMode) (res result) {
 	}
 
 	total := m.w.records + m.latencyRecords
-	reached := d.rec.expect(int64(total))
+	reached := d.rec.expectLatencies(int64(total))
 	if err := p.paced(ctx, m.w.records, total, m.latencyRate); err != nil {
 		res.err = fmt.Errorf("latency phase: %w", errors.Join(err, stopRun()))
 		return res

@@ -21,8 +21,11 @@ type recorder struct {
 	mu      sync.Mutex
 	pending map[*pgx.Conn][]time.Time
 	samples []time.Duration
-	target  int64
-	reached chan struct{}
+	// sampling: the commits keep their records' latencies (a latency
+	// phase); a throughput phase keeps none.
+	sampling bool
+	target   int64
+	reached  chan struct{}
 
 	done     atomic.Int64 // records whose transaction committed
 	txs      atomic.Int64 // committed transactions that carried records
@@ -86,8 +89,10 @@ func (r *recorder) TraceQueryEnd(ctx context.Context, conn *pgx.Conn, data pgx.T
 	if end != "commit" || data.Err != nil || data.CommandTag.String() != "COMMIT" || len(sent) == 0 {
 		return
 	}
-	for _, t := range sent {
-		r.samples = append(r.samples, now.Sub(t))
+	if r.sampling {
+		for _, t := range sent {
+			r.samples = append(r.samples, now.Sub(t))
+		}
 	}
 	r.lastDone.Store(now.UnixNano())
 	r.txs.Add(1)
@@ -104,13 +109,26 @@ func (r *recorder) note(conn *pgx.Conn, sent time.Time) {
 	r.mu.Unlock()
 }
 
-// expect returns a channel closed once n records in all have committed, and
-// clears the latency samples: the next phase samples afresh.
+// expect returns a channel closed once n records in all have committed. It
+// keeps no latencies: a throughput phase holds no state per record, so that
+// the process's memory while it drains a backlog is the consumer's own (the
+// RSS mode drains a million records; their samples would add 8 MB or more,
+// growing as it runs).
 func (r *recorder) expect(n int64) <-chan struct{} {
+	return r.expectSampling(n, false)
+}
+
+// expectLatencies is expect for a latency phase: the latencies of the
+// records that commit from now on are kept, for latencies.
+func (r *recorder) expectLatencies(n int64) <-chan struct{} {
+	return r.expectSampling(n, true)
+}
+
+func (r *recorder) expectSampling(n int64, sampling bool) <-chan struct{} {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	ch := make(chan struct{})
-	r.samples = r.samples[:0]
+	r.samples, r.sampling = r.samples[:0], sampling
 	if r.done.Load() >= n {
 		close(ch)
 		return ch
@@ -119,7 +137,7 @@ func (r *recorder) expect(n int64) <-chan struct{} {
 	return ch
 }
 
-// latencies returns the samples taken since expect.
+// latencies returns the samples taken since expectLatencies.
 func (r *recorder) latencies() []time.Duration {
 	r.mu.Lock()
 	defer r.mu.Unlock()
