@@ -121,6 +121,25 @@ type cresult struct {
 	contention  int64 // consumer.Stats().Contention; -1 where the library has no such counter
 	deadLetters int64
 	committed   int64 // records committed when the mode stopped (shows progress of a failed mode)
+	// ends: when each member committed its last record of the backlog, from
+	// the start of the throughput phase (by member).
+	ends []time.Duration
+}
+
+// endsNote tells, for a group of several members, when each was through
+// with its share of the backlog, as a share of the run: the group's rate is
+// its slowest member's, and those through early sat idle for the rest.
+func (r cresult) endsNote() string {
+	if len(r.ends) < 2 || r.elapsed <= 0 {
+		return "-"
+	}
+	ends := slices.Clone(r.ends)
+	slices.Sort(ends)
+	parts := make([]string, len(ends))
+	for i, d := range ends {
+		parts[i] = strconv.FormatFloat(d.Seconds()/r.elapsed.Seconds(), 'f', 2, 64)
+	}
+	return strings.Join(parts, " ")
 }
 
 // runContended runs the contended workload (-workload contended): every mode
@@ -289,7 +308,7 @@ func (e *env) newContendedDB(ctx context.Context, mode string, members int, conn
 	}
 	for i := 1; i < members && err == nil; i++ {
 		var p *pgxpool.Pool
-		if p, err = e.memberPool(ctx, d, conns); err == nil {
+		if p, err = e.memberPool(ctx, d, i, conns); err == nil {
 			c.pools = append(c.pools, p)
 		}
 	}
@@ -300,15 +319,15 @@ func (e *env) newContendedDB(ctx context.Context, mode string, members int, conn
 	return c, nil
 }
 
-// memberPool is another pool on d's schema, traced by the same recorder, as
+// memberPool is member's pool on d's schema, traced by the same recorder, as
 // another process of the group would have.
-func (e *env) memberPool(ctx context.Context, d *db, conns int32) (*pgxpool.Pool, error) {
+func (e *env) memberPool(ctx context.Context, d *db, member int, conns int32) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(e.dbURL)
 	if err != nil {
 		return nil, err
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = d.schema
-	cfg.ConnConfig.Tracer = d.rec
+	cfg.ConnConfig.Tracer = memberTracer{d.rec, member}
 	cfg.AfterConnect = func(_ context.Context, c *pgx.Conn) error {
 		d.backends.add(c.PgConn().PID())
 		return nil
@@ -595,6 +614,7 @@ func (e *env) runContendedKafka(ctx context.Context, s cspec, members int) (res 
 	res.cpu = meter.read().since(cpuStart)
 	res.elapsed = time.Duration(c.rec.lastDone.Load() - c.rec.firstTx.Load())
 	res.perTx = float64(s.n) / float64(max(c.rec.txs.Load(), 1))
+	res.ends = c.rec.memberEnds(members)
 
 	reached := c.rec.expectLatencies(int64(total))
 	if err := p.paced(ctx, s.n, total, e.opts.latencyRate); err != nil {

@@ -93,15 +93,15 @@ func reportContended(out io.Writer, o options, counts []int, runs map[string]map
 
 	fmt.Fprintln(out, "Every round (members: consumers of one group, each with its own pool; the ceiling: connections):")
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "mode\tmembers\tround\trecords\tseconds\trecords/s\trec/tx\tdeadlocks\tretries\tcontention\tdead letters\tcommitted\t\tresult\t")
+	fmt.Fprintln(tw, "mode\tmembers\tround\trecords\tseconds\trecords/s\trec/tx\tdeadlocks\tretries\tcontention\tdead letters\tcommitted\tmembers through at\t\tresult\t")
 	modes(func(m string, n int, rs []cresult) {
 		for i, r := range rs {
 			status := "ok"
 			if r.err != nil {
 				status = "FAILED: " + r.err.Error()
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.2f\t%.0f\t%.1f\t%d\t%d\t%s\t%d\t%d\t\t%s\t\n", r.mode, who(m, n), i+1, r.records,
-				r.elapsed.Seconds(), r.rate(), r.perTx, r.deadlocks, r.retries, count(r.contention), r.deadLetters, r.committed, status)
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.2f\t%.0f\t%.1f\t%d\t%d\t%s\t%d\t%d\t%s\t\t%s\t\n", r.mode, who(m, n), i+1, r.records,
+				r.elapsed.Seconds(), r.rate(), r.perTx, r.deadlocks, r.retries, count(r.contention), r.deadLetters, r.committed, r.endsNote(), status)
 		}
 	})
 	_ = tw.Flush()
@@ -165,7 +165,8 @@ func reportContended(out io.Writer, o options, counts []int, runs map[string]map
 		"10,000 records committed (throughput and latency phases); app CPU/rec, pg CPU/rec: as in the uncontended table (throughput phase; "+
 		"app includes every member and the broker); vs ceiling: median of each round's ratio to the 4-connection ceiling; vs hand: median of each round's ratio to the hand-written baseline "+
 		"with as many members; members/1: median of each round's ratio to the same mode with one member (the ceiling on as many connections as the largest group holds: to the 4-connection ceiling). contention '-': the library "+
-		"has no such counter.\n", o.rounds)
+		"has no such counter. members through at (every round): when each member of a group committed its last record of the backlog, "+
+		"as a share of the round's time, earliest first: a group drains at its slowest member's pace, and the others sit idle for the rest.\n", o.rounds)
 
 	targets := newTargets(out)
 	check := targets.check

@@ -27,6 +27,11 @@ type recorder struct {
 	target   int64
 	reached  chan struct{}
 
+	// ends: the last commit of each member's pool in this phase (unix
+	// nanoseconds), by memberTracer's member number; 0 is the pool that
+	// traces with the recorder itself.
+	ends map[int]int64
+
 	done     atomic.Int64 // records whose transaction committed
 	txs      atomic.Int64 // committed transactions that carried records
 	armed    atomic.Bool  // the consumer under test has started
@@ -77,6 +82,22 @@ func (r *recorder) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndDa
 // ends. A commit that Postgres turned into a rollback (the transaction had
 // failed) reports the command tag ROLLBACK and counts nothing.
 func (r *recorder) TraceQueryEnd(ctx context.Context, conn *pgx.Conn, data pgx.TraceQueryEndData) {
+	r.settle(ctx, conn, data, 0)
+}
+
+// memberTracer traces one member's pool with a shared recorder, so that the
+// recorder tells the members' commits apart (memberEnds).
+type memberTracer struct {
+	*recorder
+	member int
+}
+
+func (t memberTracer) TraceQueryEnd(ctx context.Context, conn *pgx.Conn, data pgx.TraceQueryEndData) {
+	t.settle(ctx, conn, data, t.member)
+}
+
+// settle is TraceQueryEnd for a statement of member's pool.
+func (r *recorder) settle(ctx context.Context, conn *pgx.Conn, data pgx.TraceQueryEndData, member int) {
 	end, _ := ctx.Value(txEndKey{}).(string)
 	if end == "" {
 		return
@@ -95,6 +116,10 @@ func (r *recorder) TraceQueryEnd(ctx context.Context, conn *pgx.Conn, data pgx.T
 		}
 	}
 	r.lastDone.Store(now.UnixNano())
+	if r.ends == nil {
+		r.ends = make(map[int]int64)
+	}
+	r.ends[member] = now.UnixNano()
 	r.txs.Add(1)
 	if n := r.done.Add(int64(len(sent))); r.reached != nil && n >= r.target {
 		close(r.reached)
@@ -129,12 +154,30 @@ func (r *recorder) expectSampling(n int64, sampling bool) <-chan struct{} {
 	defer r.mu.Unlock()
 	ch := make(chan struct{})
 	r.samples, r.sampling = r.samples[:0], sampling
+	clear(r.ends)
 	if r.done.Load() >= n {
 		close(ch)
 		return ch
 	}
 	r.target, r.reached = n, ch
 	return ch
+}
+
+// memberEnds returns, for members 0 to n-1, the time from the first
+// statement (once armed) to the member's last commit since expect: when each
+// was through with its share of a backlog. A member that committed nothing
+// counts 0.
+func (r *recorder) memberEnds(n int) []time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	first := r.firstTx.Load()
+	out := make([]time.Duration, n)
+	for i := range out {
+		if end, ok := r.ends[i]; ok {
+			out[i] = time.Duration(end - first)
+		}
+	}
+	return out
 }
 
 // latencies returns the samples taken since expectLatencies.
