@@ -27,7 +27,7 @@ type recorder struct {
 	target   int64
 	reached  chan struct{}
 
-	// ends: the last commit of each member's pool in this phase (unix
+	// ends: the last commit of each member's pool since arm (unix
 	// nanoseconds), by memberTracer's member number; 0 is the pool that
 	// traces with the recorder itself.
 	ends map[int]int64
@@ -46,8 +46,14 @@ func newRecorder() *recorder {
 type txEndKey struct{}
 
 // arm makes the next statement on the pool the start of the measured work
-// (the schema is created on the same pool before).
-func (r *recorder) arm() { r.armed.Store(true) }
+// (the schema is created on the same pool before), and the members' ends
+// (memberEnds) those of the work from then on.
+func (r *recorder) arm() {
+	r.mu.Lock()
+	clear(r.ends)
+	r.mu.Unlock()
+	r.armed.Store(true)
+}
 
 // TraceQueryStart notes the first statement once armed, and marks the
 // statements that end a transaction.
@@ -154,7 +160,6 @@ func (r *recorder) expectSampling(n int64, sampling bool) <-chan struct{} {
 	defer r.mu.Unlock()
 	ch := make(chan struct{})
 	r.samples, r.sampling = r.samples[:0], sampling
-	clear(r.ends)
 	if r.done.Load() >= n {
 		close(ch)
 		return ch
@@ -164,9 +169,9 @@ func (r *recorder) expectSampling(n int64, sampling bool) <-chan struct{} {
 }
 
 // memberEnds returns, for members 0 to n-1, the time from the first
-// statement (once armed) to the member's last commit since expect: when each
-// was through with its share of a backlog. A member that committed nothing
-// counts 0.
+// statement (once armed) to the member's last commit: read once the backlog
+// has committed, when each was through with its share of it. A member that
+// committed nothing counts 0.
 func (r *recorder) memberEnds(n int) []time.Duration {
 	r.mu.Lock()
 	defer r.mu.Unlock()
