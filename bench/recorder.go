@@ -40,7 +40,7 @@ type recorder struct {
 }
 
 func newRecorder() *recorder {
-	return &recorder{pending: make(map[*pgx.Conn][]time.Time)}
+	return &recorder{pending: make(map[*pgx.Conn][]time.Time), ends: make(map[int]int64)}
 }
 
 type txEndKey struct{}
@@ -122,9 +122,6 @@ func (r *recorder) settle(ctx context.Context, conn *pgx.Conn, data pgx.TraceQue
 		}
 	}
 	r.lastDone.Store(now.UnixNano())
-	if r.ends == nil {
-		r.ends = make(map[int]int64)
-	}
 	r.ends[member] = now.UnixNano()
 	r.txs.Add(1)
 	if n := r.done.Add(int64(len(sent))); r.reached != nil && n >= r.target {
